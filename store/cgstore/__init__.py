@@ -1,0 +1,9 @@
+"""cgstore: the registry for PyTorch compiled graphs.
+
+The server is sliced by feature (``blobs/``, ``tokens/``, ``compiled_graphs/``, ...);
+inside each feature ``router.py`` (thin HTTP) calls ``service.py`` (the
+capability, no HTTP), which calls ``models.py`` (tables) and ``storage/``.
+Shared infrastructure lives in ``core/``.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,147 @@
+"""HTTP endpoints of the blobs capability (PROTOCOL.md "Blobs"). Thin: parse, call the service, answer."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import RedirectResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from cgstore.blobs import service
+from cgstore.blobs.schemas import MissingAnswer, MissingQuery
+from cgstore.core.auth import require_claims
+from cgstore.core.context import StoreContext, get_context
+from cgstore.core.http import body_chunks, declared_length, parse_range, read_json
+from cgstore.tokens.service import Claims
+
+router = APIRouter(prefix="/v1/repos/{owner}/{repo}", tags=["blobs"])
+
+
+def _blob_headers(digest: str, size: int) -> dict[str, str]:
+    return {"Content-Length": str(size), "ETag": f'"{digest}"', "Accept-Ranges": "bytes"}
+
+
+def _upload_headers(owner: str, repo: str, session_id: str, offset: int) -> dict[str, str]:
+    # OCI's Range is inclusive ("0-<last byte>"); Upload-Offset says the same unambiguously.
+    return {
+        "Location": f"/v1/repos/{owner}/{repo}/uploads/{session_id}",
+        "Range": f"0-{max(offset - 1, 0)}",
+        "Upload-Offset": str(offset),
+        "Upload-Id": session_id,
+    }
+
+
+@router.head("/blobs/{digest}")
+async def head_blob(
+    owner: str, repo: str, digest: str,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    location = await run_in_threadpool(service.locate, ctx, claims, owner, repo, digest)
+    return Response(status_code=200, headers=_blob_headers(location.digest, location.size))
+
+
+@router.get("/blobs/{digest}")
+async def get_blob(
+    owner: str, repo: str, digest: str, request: Request,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    location = await run_in_threadpool(service.locate, ctx, claims, owner, repo, digest)
+    url = await run_in_threadpool(service.download_url, ctx, location)
+    if url is not None:
+        return RedirectResponse(url, status_code=307, headers={"ETag": f'"{location.digest}"'})
+    byte_range = parse_range(request.headers.get("range"), location.size)
+    start, end = byte_range or (0, location.size)
+    headers = {**_blob_headers(location.digest, location.size), "Content-Length": str(end - start)}
+    if byte_range is not None:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{location.size}"
+    return StreamingResponse(
+        service.read(ctx, location, start, end),
+        status_code=206 if byte_range else 200,
+        headers=headers,
+        media_type="application/octet-stream",
+    )
+
+
+@router.post("/blobs:missing", response_model=MissingAnswer)
+async def missing_blobs(
+    owner: str, repo: str, request: Request,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> MissingAnswer:
+    query = await read_json(request, MissingQuery, ctx.settings.max_json_bytes)
+    missing = await run_in_threadpool(service.missing, ctx, claims, owner, repo, query.digests)
+    return MissingAnswer(missing=missing)
+
+
+@router.put("/blobs/{digest}", status_code=201)
+async def put_blob(
+    owner: str, repo: str, digest: str, request: Request,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    size = await run_in_threadpool(
+        service.upload, ctx, claims, owner, repo, digest, declared_length(request), body_chunks(request)
+    )
+    return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
+
+
+def _created_headers(owner: str, repo: str, digest: str, size: int) -> dict[str, str]:
+    return {"Location": f"/v1/repos/{owner}/{repo}/blobs/{digest}", "ETag": f'"{digest}"', "Blob-Size": str(size)}
+
+
+@router.post("/blobs/{digest}:mount", status_code=201)
+async def mount_blob(
+    owner: str, repo: str, digest: str,
+    source: str = Query(alias="from", max_length=200),
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    size = await run_in_threadpool(service.mount, ctx, claims, owner, repo, digest, source)
+    return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
+
+
+@router.post("/uploads", status_code=202)
+async def open_upload(
+    owner: str, repo: str,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    session_id = await run_in_threadpool(service.open_session, ctx, claims, owner, repo)
+    return Response(status_code=202, headers=_upload_headers(owner, repo, session_id, 0))
+
+
+@router.patch("/uploads/{session_id}", status_code=202)
+async def upload_chunk(
+    owner: str, repo: str, session_id: str, request: Request,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    content_range = service.parse_content_range(request.headers.get("content-range"))
+    offset = await run_in_threadpool(
+        service.append, ctx, claims, owner, repo, session_id, content_range, body_chunks(request)
+    )
+    return Response(status_code=202, headers=_upload_headers(owner, repo, session_id, offset))
+
+
+@router.get("/uploads/{session_id}", status_code=204)
+async def upload_status(
+    owner: str, repo: str, session_id: str,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    offset = await run_in_threadpool(service.session_offset, ctx, claims, owner, repo, session_id)
+    return Response(status_code=204, headers=_upload_headers(owner, repo, session_id, offset))
+
+
+@router.put("/uploads/{session_id}", status_code=201)
+async def commit_upload(
+    owner: str, repo: str, session_id: str, request: Request,
+    digest: str = Query(max_length=100),
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    size = await run_in_threadpool(
+        service.commit_session, ctx, claims, owner, repo, session_id, digest, body_chunks(request)
+    )
+    return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
+
+
+@router.delete("/uploads/{session_id}", status_code=204)
+async def cancel_upload(
+    owner: str, repo: str, session_id: str,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    await run_in_threadpool(service.cancel_session, ctx, claims, owner, repo, session_id)
+    return Response(status_code=204)

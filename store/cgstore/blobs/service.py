@@ -1,0 +1,351 @@
+"""The blobs capability: verified uploads (monolithic and resumable), links, mounts, reads.
+
+Bytes are stored once globally by digest (``storage``) and linked per repo
+(``repo_blobs``). A link is written only after the storage backend verified
+the digest and size of the whole stream; a failure at any point leaves no
+link and no visible bytes. Database transactions stay short: none is held open
+while bytes stream.
+
+Knowing a digest grants nothing: a repo gets a link only by sending the bytes
+(which are hashed even when the blob is already stored) or by mounting from a
+repo the caller can read.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import re
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import blake3
+from sqlalchemy import delete, func, select, update
+
+from cgstore.audit.service import record
+from cgstore.blobs.models import Blob, RepoBlob, UploadSession
+from cgstore.core.context import StoreContext
+from cgstore.core.db import insert_ignoring_conflicts, utcnow
+from cgstore.core.errors import (
+    BlobUnknown,
+    BlobUploadUnknown,
+    DigestInvalid,
+    RangeInvalid,
+    SizeInvalid,
+    TooLarge,
+)
+from cgstore.core.http import hidden_miss
+from cgstore.repos.models import Repo
+from cgstore.repos.service import readable_repo, writable_repo
+from cgstore.storage import BlobWriter, StagedUpload
+from cgstore.tokens.service import Claims
+
+DIGEST_RE = re.compile(r"blake3:[0-9a-f]{64}", re.ASCII)
+MAX_MISSING_QUERY = 1024
+
+
+def validate_digest(digest: str) -> str:
+    if not DIGEST_RE.fullmatch(digest):
+        raise DigestInvalid("digests are 'blake3:' + 64 lowercase hex", digest=digest[:100])
+    return digest
+
+
+# -- reads ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlobLocation:
+    digest: str
+    size: int
+
+
+def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str) -> BlobLocation:
+    """The blob linked in ``owner/repo``, if the caller may read it; else ``BLOB_UNKNOWN``."""
+    validate_digest(digest)
+    with ctx.db.session() as session:
+        found = readable_repo(session, ctx.tokens, claims, owner, repo)
+        if found is None:
+            raise hidden_miss(BlobUnknown, "blob unknown to this repo", digest=digest)
+        size = session.scalar(
+            select(Blob.size)
+            .join(RepoBlob, RepoBlob.digest == Blob.digest)
+            .where(RepoBlob.repo_id == found.id, Blob.digest == digest)
+        )
+    if size is None:
+        raise BlobUnknown("blob unknown to this repo", digest=digest)
+    return BlobLocation(digest, size)
+
+
+def download_url(ctx: StoreContext, location: BlobLocation) -> str | None:
+    """A presigned storage URL to redirect to, when the backend and settings allow it."""
+    if not (ctx.settings.redirect_downloads and ctx.storage.supports_presign):
+        return None
+    return ctx.storage.presigned_url(location.digest, ctx.settings.presign_ttl_s)
+
+
+def read(ctx: StoreContext, location: BlobLocation, start: int, end: int) -> Iterator[bytes]:
+    return ctx.storage.read(location.digest, start, end)
+
+
+def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: list[str]) -> list[str]:
+    """Which of ``digests`` are not linked in this repo (needs write: it is a pre-upload check)."""
+    if len(digests) > MAX_MISSING_QUERY:
+        raise TooLarge(f"at most {MAX_MISSING_QUERY} digests per query", limit=MAX_MISSING_QUERY)
+    for digest in digests:
+        validate_digest(digest)
+    with ctx.db.session() as session:
+        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        linked = set(
+            session.scalars(
+                select(RepoBlob.digest).where(RepoBlob.repo_id == target.id, RepoBlob.digest.in_(set(digests)))
+            )
+        )
+    return [d for d in dict.fromkeys(digests) if d not in linked]
+
+
+# -- monolithic upload ----------------------------------------------------------------
+
+class _VerifyOnlyWriter(BlobWriter):
+    """Hashes bytes of a blob that is already stored, without writing them again."""
+
+    def __init__(self, digest: str, size: int | None) -> None:
+        self._digest, self._size = digest, size
+        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self._received = 0
+
+    def write(self, chunk: bytes) -> None:
+        self._hasher.update(chunk)
+        self._received += len(chunk)
+
+    def commit(self) -> int:
+        if self._size is not None and self._received != self._size:
+            raise SizeInvalid("body size differs from the declared size", declared=self._size, received=self._received)
+        actual = "blake3:" + self._hasher.hexdigest()
+        if actual != self._digest:
+            raise DigestInvalid("bytes do not match the digest", expected=self._digest, actual=actual)
+        return self._received
+
+    def abort(self) -> None:
+        pass
+
+
+def upload(
+    ctx: StoreContext,
+    claims: Claims,
+    owner: str,
+    repo: str,
+    digest: str,
+    declared_size: int | None,
+    chunks: Iterator[bytes],
+) -> int:
+    """Monolithic PUT: stream ``chunks`` into storage verified, then link. Returns the size."""
+    validate_digest(digest)
+    _check_size_limit(ctx, declared_size)
+    with ctx.db.session() as session:
+        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        already_stored = session.get(Blob, digest) is not None
+    writer = _VerifyOnlyWriter(digest, declared_size) if already_stored else ctx.storage.writer(digest, declared_size)
+    with writer:
+        received = 0
+        for chunk in chunks:
+            received += len(chunk)
+            if declared_size is not None and received > declared_size:
+                raise SizeInvalid("body longer than Content-Length", declared=declared_size)
+            _check_size_limit(ctx, received)
+            writer.write(chunk)
+        if declared_size is not None and received != declared_size:
+            raise SizeInvalid("body shorter than Content-Length", declared=declared_size, received=received)
+        size = writer.commit()
+    _link(ctx, claims, target, digest, size, action="blob.upload")
+    return size
+
+
+def _check_size_limit(ctx: StoreContext, size: int | None) -> None:
+    if size is not None and size > ctx.settings.max_blob_bytes:
+        raise TooLarge(f"blobs are at most {ctx.settings.max_blob_bytes} bytes", limit=ctx.settings.max_blob_bytes)
+
+
+def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: int, action: str, **detail) -> None:
+    with ctx.db.session() as session:
+        insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=utcnow())
+        linked = insert_ignoring_conflicts(
+            session, RepoBlob, repo_id=target.id, digest=digest, linked_by=claims.sub, created_at=utcnow()
+        )
+        record(
+            session,
+            actor=claims.sub,
+            jti=claims.jti,
+            action=action,
+            target=f"{target.owner}/{target.name}@{digest}",
+            detail={"size": size, "new_link": linked, **detail},
+        )
+
+
+# -- mount --------------------------------------------------------------------------
+
+def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, source: str) -> int:
+    """Link a blob the caller can read in ``source`` into ``owner/repo`` without re-upload."""
+    validate_digest(digest)
+    source_owner, _, source_repo = source.partition("/")
+    with ctx.db.session() as session:
+        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+    location = locate(ctx, claims, source_owner, source_repo, digest)
+    _link(ctx, claims, target, digest, location.size, action="blob.mount", source=source)
+    return location.size
+
+
+# -- resumable upload sessions -------------------------------------------------------
+
+def _expiry(ctx: StoreContext) -> dt.datetime:
+    return utcnow() + dt.timedelta(seconds=ctx.settings.upload_session_ttl_s)
+
+
+def open_session(ctx: StoreContext, claims: Claims, owner: str, repo: str) -> str:
+    with ctx.db.session() as session:
+        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+    session_id = uuid.uuid4().hex
+    staged = ctx.storage.stage_begin(session_id)
+    with ctx.db.session() as session:
+        session.add(
+            UploadSession(
+                id=session_id,
+                repo_id=target.id,
+                principal=claims.sub,
+                offset=0,
+                storage_state=staged.state,
+                created_at=utcnow(),
+                expires_at=_expiry(ctx),
+            )
+        )
+    return session_id
+
+
+def _find_session(ctx: StoreContext, claims: Claims, owner: str, repo: str, session_id: str) -> UploadSession:
+    """The caller's own live session in this repo; anything else is ``BLOB_UPLOAD_UNKNOWN``."""
+    with ctx.db.session() as session:
+        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        found = session.get(UploadSession, session_id) if len(session_id) <= 64 else None
+    if found is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():
+        raise BlobUploadUnknown("no such upload session", session=session_id[:64])
+    return found
+
+
+def session_offset(ctx: StoreContext, claims: Claims, owner: str, repo: str, session_id: str) -> int:
+    return _find_session(ctx, claims, owner, repo, session_id).offset
+
+
+def append(
+    ctx: StoreContext,
+    claims: Claims,
+    owner: str,
+    repo: str,
+    session_id: str,
+    content_range: tuple[int, int] | None,
+    chunks: Iterator[bytes],
+) -> int:
+    """Stage one chunk; it must start at the committed offset. Returns the new offset."""
+    found = _find_session(ctx, claims, owner, repo, session_id)
+    if content_range is not None and content_range[0] != found.offset:
+        raise RangeInvalid("chunk does not start at the committed offset", offset=found.offset)
+    expected = None if content_range is None else content_range[1] - content_range[0]
+    counted = _counting(chunks, found.offset, expected, ctx.settings.max_blob_bytes)
+    staged = ctx.storage.stage_append(StagedUpload(found.id, found.offset, found.storage_state), counted)
+    if expected is not None and staged.offset - found.offset != expected:
+        raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=staged.offset - found.offset)
+    with ctx.db.session() as session:
+        # Compare-and-set on the offset: of two racing chunks at one offset, one wins.
+        moved = session.execute(
+            update(UploadSession)
+            .where(UploadSession.id == found.id, UploadSession.offset == found.offset)
+            .values(offset=staged.offset, storage_state=staged.state, expires_at=_expiry(ctx))
+        ).rowcount
+    if not moved:
+        raise RangeInvalid("another chunk was committed at this offset", offset=found.offset)
+    return staged.offset
+
+
+def _counting(chunks: Iterator[bytes], offset: int, expected: int | None, limit: int) -> Iterator[bytes]:
+    received = 0
+    for chunk in chunks:
+        received += len(chunk)
+        if expected is not None and received > expected:
+            raise SizeInvalid("chunk longer than its Content-Range", expected=expected)
+        if offset + received > limit:
+            raise TooLarge(f"blobs are at most {limit} bytes", limit=limit)
+        yield chunk
+
+
+def commit_session(
+    ctx: StoreContext,
+    claims: Claims,
+    owner: str,
+    repo: str,
+    session_id: str,
+    digest: str,
+    final_chunk: Iterator[bytes],
+) -> int:
+    """Append an optional last chunk, verify the whole stream, link the blob. Returns the size."""
+    validate_digest(digest)
+    final_chunk = _unless_empty(final_chunk)
+    if final_chunk is not None:
+        append(ctx, claims, owner, repo, session_id, None, final_chunk)
+    found = _find_session(ctx, claims, owner, repo, session_id)
+    staged = StagedUpload(found.id, found.offset, found.storage_state)
+    try:
+        size = ctx.storage.stage_commit(staged, digest)
+    except DigestInvalid:
+        # The storage dropped the staged bytes: a mismatch leaves nothing to resume.
+        _forget_session(ctx, found.id)
+        raise
+    _forget_session(ctx, found.id)
+    with ctx.db.session() as session:
+        target = session.get(Repo, found.repo_id)
+    _link(ctx, claims, target, digest, size, action="blob.upload", session=found.id)
+    return size
+
+
+def _unless_empty(chunks: Iterator[bytes]) -> Iterator[bytes] | None:
+    """``chunks`` unchanged, or None when it yields no bytes at all."""
+    for first in chunks:
+        if first:
+            return itertools.chain([first], chunks)
+    return None
+
+
+def cancel_session(ctx: StoreContext, claims: Claims, owner: str, repo: str, session_id: str) -> None:
+    found = _find_session(ctx, claims, owner, repo, session_id)
+    ctx.storage.stage_abort(StagedUpload(found.id, found.offset, found.storage_state))
+    _forget_session(ctx, found.id)
+
+
+def _forget_session(ctx: StoreContext, session_id: str) -> None:
+    with ctx.db.session() as session:
+        session.execute(delete(UploadSession).where(UploadSession.id == session_id))
+
+
+def reap_expired_sessions(ctx: StoreContext, now: dt.datetime | None = None) -> int:
+    """Reclaim the staged bytes of every expired session; returns how many were reaped."""
+    now = now or utcnow()
+    with ctx.db.session() as session:
+        expired = list(session.scalars(select(UploadSession).where(UploadSession.expires_at <= now).limit(1000)))
+    for found in expired:
+        ctx.storage.stage_abort(StagedUpload(found.id, found.offset, found.storage_state))
+        _forget_session(ctx, found.id)
+    return len(expired)
+
+
+def open_session_count(ctx: StoreContext) -> int:
+    with ctx.db.session() as session:
+        return session.scalar(select(func.count()).select_from(UploadSession).where(UploadSession.expires_at > utcnow()))
+
+
+def parse_content_range(header: str | None) -> tuple[int, int] | None:
+    """OCI ``Content-Range: <start>-<end>`` (inclusive; ``bytes `` prefix and ``/total`` tolerated)."""
+    if header is None:
+        return None
+    match = re.fullmatch(r"(?:bytes[ =])?(\d+)-(\d+)(?:/(?:\d+|\*))?", header.strip(), re.ASCII)
+    if not match or int(match.group(2)) < int(match.group(1)):
+        raise RangeInvalid("Content-Range must be '<start>-<end>'", content_range=header[:100])
+    return int(match.group(1)), int(match.group(2)) + 1
+
+

@@ -1,0 +1,1 @@
+"""Shared infrastructure: database session and Base, the error hierarchy, auth."""

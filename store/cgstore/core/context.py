@@ -1,0 +1,26 @@
+"""The resources one app instance shares between requests, and the dependency that hands them out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from cgstore.core.db import Database
+from cgstore.core.metrics import Metrics
+from cgstore.settings import Settings
+from cgstore.storage import Storage
+from cgstore.tokens.service import TokenService
+
+
+@dataclass
+class StoreContext:
+    settings: Settings
+    db: Database
+    storage: Storage
+    tokens: TokenService
+    metrics: Metrics
+
+
+def get_context(request: Request) -> StoreContext:
+    return request.app.state.context

@@ -1,0 +1,104 @@
+"""The one error hierarchy of the store, and its one mapping to protocol codes.
+
+Services raise these; they know nothing about HTTP. ``install_error_handlers``
+turns every one of them (and the infrastructure failures that mean "try again")
+into PROTOCOL.md's ``{"error": {"code", "message", "detail"}}`` body with its
+status code. Nothing else in the server builds an error response.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class StoreError(Exception):
+    """Base of every error the store answers with. Subclasses fix code and status."""
+
+    code: ClassVar[str] = "INTERNAL"
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class Unauthorized(StoreError):
+    code, status = "UNAUTHORIZED", 401
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="cgstore"'}
+
+
+class TokenInvalid(StoreError):
+    code, status = "TOKEN_INVALID", 401
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="cgstore", error="invalid_token"'}
+
+
+class Denied(StoreError):
+    code, status = "DENIED", 403
+
+
+class RootReserved(StoreError):
+    code, status = "ROOT_RESERVED", 403
+
+
+class NameInvalid(StoreError):
+    code, status = "NAME_INVALID", 400
+
+
+class NameUnknown(StoreError):
+    code, status = "NAME_UNKNOWN", 404
+
+
+class Conflict(StoreError):
+    code, status = "CONFLICT", 409
+
+
+class DigestInvalid(StoreError):
+    code, status = "DIGEST_INVALID", 400
+
+
+class SizeInvalid(StoreError):
+    code, status = "SIZE_INVALID", 400
+
+
+class BlobUnknown(StoreError):
+    code, status = "BLOB_UNKNOWN", 404
+
+
+class BlobUploadUnknown(StoreError):
+    code, status = "BLOB_UPLOAD_UNKNOWN", 404
+
+
+class RangeInvalid(StoreError):
+    code, status = "RANGE_INVALID", 416
+
+
+class BadRequest(StoreError):
+    """Malformed request body or parameters that no more specific code covers."""
+
+    code, status = "BAD_REQUEST", 400
+
+
+class TooLarge(StoreError):
+    code, status = "TOO_LARGE", 413
+
+
+class Unavailable(StoreError):
+    """The database or the object store did not answer: retry later."""
+
+    code, status = "UNAVAILABLE", 503
+    retry_after_s: ClassVar[int] = 5
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+def error_body(err: StoreError) -> dict[str, Any]:
+    return {"error": {"code": err.code, "message": err.message, "detail": err.detail}}

@@ -1,0 +1,73 @@
+"""Prometheus metrics: request counts and latencies, bytes in/out, open upload sessions.
+
+Collected by a pure ASGI middleware (it never buffers a streamed body) into a
+registry owned by the app, so several apps in one process don't collide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "cgstore_requests_total", "HTTP requests answered.", ["method", "route", "status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "cgstore_request_seconds",
+            "Time from request start to the end of the response body.",
+            ["method", "route"],
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
+        self.bytes_in = Counter("cgstore_bytes_in_total", "Request body bytes received.", registry=self.registry)
+        self.bytes_out = Counter("cgstore_bytes_out_total", "Response body bytes sent.", registry=self.registry)
+        self.upload_sessions_open = Gauge(
+            "cgstore_upload_sessions_open", "Upload sessions open (not committed, cancelled or expired).",
+            registry=self.registry,
+        )
+
+    def watch_upload_sessions(self, count: Callable[[], int]) -> None:
+        """Read the open-session count from the database at scrape time (any process may change it)."""
+        self.upload_sessions_open.set_function(count)
+
+
+class MetricsMiddleware:
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 500}
+        metrics = self.metrics
+
+        async def counting_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                metrics.bytes_in.inc(len(message.get("body", b"")))
+            return message
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            elif message["type"] == "http.response.body":
+                metrics.bytes_out.inc(len(message.get("body", b"")))
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, counting_send)
+        finally:
+            route = scope.get("route")
+            # The route template, not the raw path: digests and ids would explode cardinality.
+            label = getattr(route, "path", "unmatched")
+            metrics.requests.labels(scope["method"], label, str(status["code"])).inc()
+            metrics.latency.labels(scope["method"], label).observe(time.perf_counter() - started)

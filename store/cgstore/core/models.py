@@ -1,0 +1,9 @@
+"""Imports every feature's models so ``Base.metadata`` knows all tables (Alembic, tests)."""
+
+from cgstore.audit.models import AuditEvent
+from cgstore.blobs.models import Blob, RepoBlob, UploadSession
+from cgstore.core.db import Base
+from cgstore.repos.models import Repo
+from cgstore.tokens.models import Principal, TokenRecord
+
+__all__ = ["AuditEvent", "Base", "Blob", "Principal", "Repo", "RepoBlob", "TokenRecord", "UploadSession"]

@@ -1,0 +1,1 @@
+"""Operational endpoints: liveness, readiness, metrics, capabilities."""

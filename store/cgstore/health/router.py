@@ -1,0 +1,37 @@
+"""``/healthz``, ``/readyz``, ``/metrics`` and ``/v1/capabilities`` (no auth on any of them)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from cgstore.core.context import StoreContext, get_context
+from cgstore.health import service
+
+router = APIRouter(tags=["service"])
+
+
+@router.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(response: Response, ctx: StoreContext = Depends(get_context)) -> dict:
+    checks = await run_in_threadpool(service.readiness, ctx)
+    if not all(check == "ok" for check in checks.values()):
+        response.status_code = 503
+        response.headers["Retry-After"] = "5"
+    return {"status": "ok" if response.status_code == 200 else "unavailable", "checks": checks}
+
+
+@router.get("/metrics")
+async def metrics(ctx: StoreContext = Depends(get_context)) -> Response:
+    payload = await run_in_threadpool(generate_latest, ctx.metrics.registry)
+    return Response(payload, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/capabilities")
+async def capabilities(ctx: StoreContext = Depends(get_context)) -> dict:
+    return service.capabilities(ctx)

@@ -1,0 +1,37 @@
+"""What the operational endpoints report."""
+
+from __future__ import annotations
+
+import logging
+
+from cgstore.core.context import StoreContext
+
+log = logging.getLogger(__name__)
+
+MAX_RESOLVE_KEYS = 256
+
+
+def readiness(ctx: StoreContext) -> dict[str, str]:
+    """``ok`` or a short reason, per dependency."""
+    return {"database": _check(ctx.db.ping), "storage": _check(ctx.storage.ping)}
+
+
+def _check(ping) -> str:
+    try:
+        ping()
+    except Exception as err:  # any failure means "not ready"; the reason is reported, not raised
+        log.warning("readiness check failed: %s", err)
+        return f"unavailable: {type(err).__name__}"
+    return "ok"
+
+
+def capabilities(ctx: StoreContext) -> dict:
+    return {
+        "digest_algorithms": ["blake3"],
+        "key_schemes": ["ck1"],
+        "accepted_kinds": ["aot-inductor"],
+        "retired_kinds": ["torch-inductor-cache"],
+        "max_blob_bytes": ctx.settings.max_blob_bytes,
+        "max_resolve_keys": MAX_RESOLVE_KEYS,
+        "redirect_downloads": bool(ctx.settings.redirect_downloads and ctx.storage.supports_presign),
+    }

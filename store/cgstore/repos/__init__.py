@@ -1,0 +1,1 @@
+"""Repositories: ``owner/repo`` namespaces, their visibility, and who may read or write them."""

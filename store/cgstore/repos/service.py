@@ -1,0 +1,44 @@
+"""Finding repos for reading and writing, with the access rules applied.
+
+Reads of a repo the caller may not read look exactly like reads of a repo that
+does not exist (the caller gets None, and raises the same miss either way).
+Writes check the token's grant and the root gate, and create the repo on the
+first write.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from cgstore.core.db import insert_ignoring_conflicts, utcnow
+from cgstore.core.names import validate_owner, validate_repo
+from cgstore.repos.models import Repo
+from cgstore.tokens.service import Claims, TokenService
+
+
+def find_repo(session: Session, owner: str, name: str) -> Repo | None:
+    return session.scalar(select(Repo).where(Repo.owner == owner, Repo.name == name))
+
+
+def readable_repo(session: Session, tokens: TokenService, claims: Claims, owner: str, name: str) -> Repo | None:
+    """The repo if it exists and ``claims`` may read it; None otherwise (indistinguishably)."""
+    validate_owner(owner)
+    validate_repo(name)
+    if not tokens.can_read(claims, owner, name):
+        return None
+    return find_repo(session, owner, name)
+
+
+def writable_repo(session: Session, tokens: TokenService, claims: Claims, owner: str, name: str) -> Repo:
+    """The repo ``claims`` may write, created (visibility ``owner``) on the first write."""
+    validate_owner(owner)
+    validate_repo(name)
+    tokens.can_write(claims, owner, name)
+    repo = find_repo(session, owner, name)
+    if repo is None:
+        insert_ignoring_conflicts(
+            session, Repo, owner=owner, name=name, visibility="owner", created_by=claims.sub, created_at=utcnow()
+        )
+        repo = find_repo(session, owner, name)
+    return repo

@@ -1,0 +1,96 @@
+"""Typed settings of the store, read from ``CGSTORE_*`` environment variables.
+
+Every option is listed in the README's "Configuration" table. The defaults are
+the embedded configuration: SQLite and a local directory under ``CGSTORE_HOME``
+and an Ed25519 signing key generated there on first use, so ``cgstore serve``
+needs no configuration at all.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CGSTORE_", extra="ignore")
+
+    home: Path = Field(Path(".cgstore"), description="State directory of the embedded default.")
+    host: str = "127.0.0.1"
+    port: int = 8080
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL; default sqlite under CGSTORE_HOME."
+    )
+    storage_url: str | None = Field(
+        None,
+        description="A directory path or file:// URL, or s3://bucket?endpoint_url=…&region=…; "
+        "default a directory under CGSTORE_HOME.",
+    )
+    s3_public_endpoint_url: str | None = Field(
+        None, description="Endpoint written into presigned URLs, when clients reach S3 by another name."
+    )
+    token_signing_key: Path | None = Field(
+        None, description="Ed25519 private key (PEM); default CGSTORE_HOME/token-signing-key.pem, generated once."
+    )
+    token_verify_keys: list[Path] = Field(
+        default_factory=list,
+        description="Extra Ed25519 public keys (PEM) accepted when verifying, for key rotation.",
+    )
+    token_issuer: str = "cgstore"
+    redirect_downloads: bool = Field(True, description="Answer blob GETs on S3 with 307 to a presigned URL.")
+    presign_ttl_s: int = Field(300, ge=10, le=7 * 24 * 3600)
+    max_blob_bytes: int = Field(64 * GiB, ge=1)
+    max_json_bytes: int = Field(1 * MiB, ge=1024, description="Largest JSON request body accepted.")
+    upload_session_ttl_s: int = Field(24 * 3600, ge=1, description="Idle time after which an upload session expires.")
+    reaper_interval_s: float = Field(60.0, gt=0, description="How often expired upload sessions are reclaimed.")
+    s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="Multipart part size for S3 writes.")
+    s3_max_concurrency: int = Field(4, ge=1, le=64, description="Parts uploaded in parallel per S3 write.")
+    log_level: str = "info"
+
+    @field_validator("token_verify_keys", mode="before")
+    @classmethod
+    def _split_paths(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p for p in value.split(",") if p.strip()]
+        return value
+
+    @cached_property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.home / 'cgstore.sqlite3').absolute()}"
+
+    @cached_property
+    def resolved_storage_url(self) -> str:
+        if self.storage_url:
+            return self.storage_url
+        return str((self.home / "blobs").absolute())
+
+    @cached_property
+    def signing_key_path(self) -> Path:
+        return self.token_signing_key or self.home / "token-signing-key.pem"
+
+    @property
+    def storage_is_s3(self) -> bool:
+        return self.resolved_storage_url.startswith("s3://")
+
+
+def parse_s3_url(url: str) -> tuple[str, str | None, str | None]:
+    """``s3://bucket?endpoint_url=…&region=…`` → (bucket, endpoint_url, region)."""
+    parsed = urlparse(url)
+    query = parse_qs(parsed.query)
+
+    def one(name: str) -> str | None:
+        values = query.get(name)
+        return values[0] if values else None
+
+    if not parsed.netloc:
+        raise ValueError(f"storage URL {url!r} names no bucket")
+    return parsed.netloc, one("endpoint_url"), one("region")

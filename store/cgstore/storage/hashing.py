@@ -1,0 +1,101 @@
+"""Digests, storage keys and the streaming verifier shared by both backends.
+
+A digest is ``blake3:<64 lowercase hex>`` (PROTOCOL.md). Both backends lay
+blobs out the same way, ``blobs/<hex[:2]>/<hex>``, so a store can move from a
+directory to a bucket by copying the tree. ``StreamVerifier`` is the one place
+that decides whether written bytes match what the caller promised: it checks
+the size as bytes arrive (so an oversized stream is refused early, before it
+fills the disk) and the size then the digest at the end.
+"""
+
+from __future__ import annotations
+
+import re
+
+import blake3
+
+from cgstore.core.errors import BlobUploadUnknown, DigestInvalid, SizeInvalid, TooLarge
+
+DIGEST_PREFIX = "blake3:"
+_DIGEST_RE = re.compile(r"^blake3:([0-9a-f]{64})$")
+# Session ids become file names and object keys: no separators, no dot-files.
+_SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+
+#: Chunk size of every streamed read (both backends): big enough for throughput,
+#: small enough that a thousand concurrent downloads stay in a GiB.
+READ_CHUNK_BYTES = 1 << 20
+
+
+def parse_digest(digest: str) -> str:
+    """The 64-hex part of a well-formed digest; ``DigestInvalid`` otherwise."""
+    match = _DIGEST_RE.match(digest) if isinstance(digest, str) else None
+    if match is None:
+        raise DigestInvalid("digest must be blake3:<64 lowercase hex>", digest=str(digest)[:100])
+    return match.group(1)
+
+
+def blake3_digest(data: bytes) -> str:
+    """The digest of bytes already in memory (small documents, tests)."""
+    return DIGEST_PREFIX + blake3.blake3(data).hexdigest()
+
+
+def blob_key(hex_digest: str) -> str:
+    """Where a blob lives, relative to the backend's root: ``blobs/<hex[:2]>/<hex>``.
+
+    The two-character fan-out keeps directories (and S3 listing pages) small.
+    """
+    return f"blobs/{hex_digest[:2]}/{hex_digest}"
+
+
+def check_session_id(session_id: str) -> str:
+    """A session id safe to use as a file name / key segment; else it cannot exist."""
+    if not isinstance(session_id, str) or not _SESSION_ID_RE.match(session_id):
+        raise BlobUploadUnknown("no such upload session", session_id=str(session_id)[:100])
+    return session_id
+
+
+def check_range(start: int, end: int | None) -> None:
+    """Reject ranges no caller should build (the service validates HTTP ranges first)."""
+    if start < 0 or (end is not None and end < start):
+        raise ValueError(f"invalid byte range [{start}, {end})")
+
+
+class StreamVerifier:
+    """Hashes and counts a stream, then says whether it is the promised blob.
+
+    ``expected_size`` None means "whatever arrives"; ``max_bytes`` None means no
+    limit. Errors raised here are the protocol's: ``SizeInvalid`` when more (as
+    soon as it happens) or fewer (at ``verify``) bytes than promised arrived,
+    ``TooLarge`` past the store's limit, ``DigestInvalid`` on a digest mismatch.
+    """
+
+    def __init__(self, digest: str, expected_size: int | None = None, max_bytes: int | None = None):
+        self.digest = digest
+        self.hex = parse_digest(digest)
+        self.expected_size = expected_size
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._hasher = blake3.blake3()
+        if expected_size is not None and expected_size < 0:
+            raise SizeInvalid("size must not be negative", expected=expected_size)
+        if expected_size is not None and max_bytes is not None and expected_size > max_bytes:
+            raise TooLarge("blob exceeds the store's size limit", size=expected_size, limit=max_bytes)
+
+    def update(self, chunk: bytes | bytearray | memoryview) -> None:
+        new_size = self.size + len(chunk)
+        if self.expected_size is not None and new_size > self.expected_size:
+            raise SizeInvalid("more bytes than the declared size", expected=self.expected_size)
+        if self.max_bytes is not None and new_size > self.max_bytes:
+            raise TooLarge("blob exceeds the store's size limit", limit=self.max_bytes)
+        self._hasher.update(chunk)
+        self.size = new_size
+
+    def verify(self) -> None:
+        """Raise unless size (checked first) and digest are the promised ones."""
+        if self.expected_size is not None and self.size != self.expected_size:
+            raise SizeInvalid("size differs from the declared size", expected=self.expected_size, actual=self.size)
+        actual = self._hasher.hexdigest()
+        if actual != self.hex:
+            raise DigestInvalid(
+                "content does not match the digest", expected=self.digest, actual=DIGEST_PREFIX + actual
+            )

@@ -1,0 +1,611 @@
+"""The S3 backend: any S3-compatible store (AWS S3, MinIO, Ceph, moto) via boto3.
+
+URL: ``s3://bucket[/prefix]?endpoint_url=…&region=…``. Keys under the optional
+prefix are the same as the fs backend's: ``blobs/<hex[:2]>/<hex>`` for blobs,
+``uploads/<session_id>/…`` for staged uploads.
+
+Verified streaming writes
+-------------------------
+A write goes straight to its final key. Bytes are hashed (blake3) as they
+arrive and buffered into parts of ``part_bytes``; full parts are uploaded as a
+multipart upload by a small per-write thread pool, at most ``max_concurrency``
+parts in flight (a semaphore makes ``write`` block while they drain). Memory
+per write is therefore at most ``(max_concurrency + 1) × part_bytes`` whatever
+the blob size. A multipart upload is invisible until it is completed, and
+``commit`` completes it only after size and digest matched; otherwise it
+aborts it, so nothing ever appears under ``blobs/`` unverified. A stream that
+fits one part never starts a multipart upload: it is verified in memory and
+written with a single ``put_object``. When the size is known up front, the
+part size grows if needed to stay within S3's 10 000-part limit.
+
+Staged uploads (resumable sessions)
+-----------------------------------
+S3 parts must be ≥ 5 MiB except the last, but a PATCH chunk can be any size,
+and the blake3 state cannot be saved between requests (any server process may
+serve the next PATCH). The design taken: every PATCH chunk becomes its own
+object ``uploads/<session>/<offset:016d>`` (written with the same streaming
+upload, so a huge chunk is itself a multipart upload and a small one a single
+PUT); the session state records the ``[offset, length]`` of every chunk.
+``stage_commit`` streams the chunk objects in order through a verifying
+``writer()`` onto the final key, then deletes the staging objects.
+
+- Why: it is the simplest correct design. Every chunk object is atomic (a
+  chunk that fails midway leaves no object, and its multipart upload is
+  aborted), a retried chunk at the same offset overwrites the same key, and
+  any chunk size works.
+- Cost: a staged blob crosses the server twice, once in, once at commit
+  (read back and re-uploaded; the read is pipelined with the concurrent part
+  uploads). The alternative, a session-level multipart upload with a small
+  tail object, also needs a full read at commit to hash (parts of an open
+  multipart upload cannot be read, and the hash state cannot be saved), then a
+  server-side copy, so it saves little and has many more states to get wrong.
+- ``stage_abort`` deletes every object under ``uploads/<session>/`` and aborts
+  any multipart upload still open there (a process killed mid-chunk).
+
+Failures
+--------
+Connection errors, timeouts, 5xx, throttling, and credential or bucket
+misconfiguration raise ``Unavailable``; a missing object raises
+``BlobUnknown`` (or ``BlobUploadUnknown`` for staging). botocore is configured
+with short connect timeouts and two retries, so a dead store surfaces within
+seconds. A multipart upload left open by a process killed mid-write is
+reclaimed by ``sweep_orphans`` (a bucket lifecycle rule
+``AbortIncompleteMultipartUpload`` does the same and is recommended too).
+
+Flexible checksums (CRC headers, botocore ≥ 1.36) are only sent when an
+operation requires them: several S3-compatible stores reject them. Transfer
+integrity rests on TLS; stored bytes are re-verifiable by blake3 sweeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from urllib.parse import urlparse
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    ClientError,
+    ConnectionError as BotoConnectionError,
+    HTTPClientError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
+
+from cgstore.core.errors import (
+    BlobUnknown,
+    BlobUploadUnknown,
+    DigestInvalid,
+    SizeInvalid,
+    TooLarge,
+    Unavailable,
+)
+from cgstore.settings import parse_s3_url
+from cgstore.storage.base import BlobWriter, StagedUpload, Storage
+from cgstore.storage.hashing import (
+    READ_CHUNK_BYTES,
+    StreamVerifier,
+    blob_key,
+    check_range,
+    check_session_id,
+    parse_digest,
+)
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+MIN_PART_BYTES = 5 * MiB  # S3's floor for every part but the last
+MAX_PARTS = 10_000  # S3's ceiling on parts per multipart upload
+_CONTENT_TYPE = "application/octet-stream"
+
+# Answers that mean "the store cannot serve us right now" rather than a bug
+# here: throttling, and misconfiguration an operator must fix (bucket, keys).
+_UNAVAILABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "NoSuchBucket",
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+    }
+)
+_MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_TRANSPORT_ERRORS = (
+    BotoConnectionError,  # EndpointConnectionError, ConnectTimeoutError, proxy/SSL errors
+    HTTPClientError,  # ConnectionClosedError, ReadTimeoutError, ResponseStreamingError
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
+
+
+def parse_storage_url(url: str) -> tuple[str, str, str | None, str | None]:
+    """``s3://bucket/some/prefix?endpoint_url=…&region=…`` → (bucket, "some/prefix/", endpoint, region)."""
+    bucket, endpoint_url, region = parse_s3_url(url)
+    prefix = urlparse(url).path.strip("/")
+    return bucket, f"{prefix}/" if prefix else "", endpoint_url, region
+
+
+def _error_code(exc: ClientError) -> tuple[str, int]:
+    error = exc.response.get("Error", {})
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return str(error.get("Code", "")), int(status or 0)
+
+
+def _is_missing(exc: ClientError) -> bool:
+    code, status = _error_code(exc)
+    return code in _MISSING_CODES or (status == 404 and code != "NoSuchBucket")
+
+
+def _is_unavailable(exc: ClientError) -> bool:
+    code, status = _error_code(exc)
+    return status >= 500 or status == 403 or code in _UNAVAILABLE_CODES
+
+
+@contextlib.contextmanager
+def _s3_errors(operation: str) -> Iterator[None]:
+    """Turn infrastructure failures into ``Unavailable``; let real bugs through."""
+    try:
+        yield
+    except ClientError as exc:
+        if _is_unavailable(exc):
+            code, status = _error_code(exc)
+            raise Unavailable("object storage failed", operation=operation, code=code, status=status) from exc
+        raise
+    except _TRANSPORT_ERRORS as exc:
+        raise Unavailable(
+            "object storage unreachable", operation=operation, cause=f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _client_config(*, endpoint_url, max_concurrency, connect_timeout_s, read_timeout_s, max_attempts) -> Config:
+    options = dict(
+        connect_timeout=connect_timeout_s,
+        read_timeout=read_timeout_s,
+        # Bounded, so a dead store surfaces within seconds instead of stalling requests.
+        retries={"total_max_attempts": max_attempts, "mode": "standard"},
+        # Several writes run at once, each with max_concurrency part uploads.
+        max_pool_connections=max(10, 4 * max_concurrency),
+        signature_version="s3v4",
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    if endpoint_url:
+        # S3-compatible stores (MinIO, Ceph, moto) rarely serve virtual-host names.
+        options["s3"] = {"addressing_style": "path"}
+    return Config(**options)
+
+
+class S3Storage(Storage):
+    """Blobs and staged uploads in one bucket, under an optional key prefix."""
+
+    supports_presign = True
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        public_endpoint_url: str | None = None,
+        part_bytes: int = 16 * MiB,
+        max_concurrency: int = 4,
+        max_blob_bytes: int | None = None,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 20.0,
+        max_attempts: int = 3,
+    ) -> None:
+        if part_bytes < MIN_PART_BYTES:
+            raise ValueError(f"part_bytes must be at least {MIN_PART_BYTES} (S3's minimum part size)")
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.part_bytes = part_bytes
+        self.max_concurrency = max_concurrency
+        self.max_blob_bytes = max_blob_bytes
+        config = _client_config(
+            endpoint_url=endpoint_url,
+            max_concurrency=max_concurrency,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+            max_attempts=max_attempts,
+        )
+        # A session per storage: boto3's default session is not thread-safe to build clients from.
+        session = boto3.session.Session()
+        self.client = session.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
+        # Presigned URLs name the host clients reach, which may differ from ours.
+        if public_endpoint_url and public_endpoint_url != endpoint_url:
+            public_config = _client_config(
+                endpoint_url=public_endpoint_url,
+                max_concurrency=1,
+                connect_timeout_s=connect_timeout_s,
+                read_timeout_s=read_timeout_s,
+                max_attempts=max_attempts,
+            )
+            self.presign_client = session.client(
+                "s3", endpoint_url=public_endpoint_url, region_name=region, config=public_config
+            )
+        else:
+            self.presign_client = self.client
+
+    @classmethod
+    def from_settings(cls, settings) -> S3Storage:
+        bucket, prefix, endpoint_url, region = parse_storage_url(settings.resolved_storage_url)
+        return cls(
+            bucket,
+            prefix=prefix,
+            endpoint_url=endpoint_url,
+            region=region,
+            public_endpoint_url=settings.s3_public_endpoint_url,
+            part_bytes=settings.s3_part_bytes,
+            max_concurrency=settings.s3_max_concurrency,
+            max_blob_bytes=settings.max_blob_bytes,
+        )
+
+    # -- keys ------------------------------------------------------------------------
+    def _key(self, relative: str) -> str:
+        return self.prefix + relative
+
+    def _blob_key(self, digest: str) -> str:
+        return self._key(blob_key(parse_digest(digest)))
+
+    def _staging_prefix(self, session_id: str) -> str:
+        return self._key(f"uploads/{check_session_id(session_id)}/")
+
+    def _chunk_key(self, session_id: str, offset: int) -> str:
+        # Zero-padded so that a listing sorts chunks in stream order.
+        return self._staging_prefix(session_id) + f"{offset:016d}"
+
+    def _part_bytes_for(self, size: int | None) -> int:
+        """The configured part size, grown (whole MiB) when a known size needs > 10 000 parts."""
+        if size is None:
+            return self.part_bytes
+        needed = math.ceil(math.ceil(size / MAX_PARTS) / MiB) * MiB
+        return max(self.part_bytes, needed)
+
+    # -- blobs -----------------------------------------------------------------------
+    def writer(self, digest: str, size: int | None = None) -> BlobWriter:
+        verifier = StreamVerifier(digest, size, self.max_blob_bytes)
+        upload = _StreamingUpload(self, self._key(blob_key(verifier.hex)), self._part_bytes_for(size))
+        return S3BlobWriter(verifier, upload)
+
+    def size(self, digest: str) -> int | None:
+        key = self._blob_key(digest)
+        with _s3_errors("size"):
+            try:
+                return self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
+            except ClientError as exc:
+                if _is_missing(exc):
+                    return None
+                raise
+
+    def read(self, digest: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        key = self._blob_key(digest)
+        check_range(start, end)
+        if end is not None and end == start:  # S3 has no empty Range; still answer "absent"
+            if self.size(digest) is None:
+                raise BlobUnknown("blob unknown", digest=digest)
+            return iter(())
+        request = {"Bucket": self.bucket, "Key": key}
+        if start > 0 or end is not None:
+            request["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        # The GET is issued now, not on first iteration: an absent blob must
+        # raise before the caller commits to a response.
+        with _s3_errors("read"):
+            try:
+                response = self.client.get_object(**request)
+            except ClientError as exc:
+                if _is_missing(exc):
+                    raise BlobUnknown("blob unknown", digest=digest) from None
+                if _error_code(exc)[0] == "InvalidRange":  # start at or past the end
+                    return iter(())
+                raise
+        return _stream_body(response["Body"])
+
+    def presigned_url(self, digest: str, ttl_s: int) -> str | None:
+        key = self._blob_key(digest)
+        with _s3_errors("presign"):  # signing is local; only missing credentials can fail
+            return self.presign_client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=ttl_s
+            )
+
+    def delete(self, digest: str) -> None:
+        key = self._blob_key(digest)
+        with _s3_errors("delete"):
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+
+    # -- staged uploads -------------------------------------------------------------------
+    def stage_begin(self, session_id: str) -> StagedUpload:
+        check_session_id(session_id)
+        return StagedUpload(session_id=session_id, offset=0, state={"chunks": []})
+
+    def stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
+        upload = _StreamingUpload(self, self._chunk_key(staged.session_id, staged.offset), self.part_bytes)
+        written = 0
+        try:
+            for chunk in chunks:
+                if self.max_blob_bytes is not None and staged.offset + written + len(chunk) > self.max_blob_bytes:
+                    raise TooLarge("blob exceeds the store's size limit", limit=self.max_blob_bytes)
+                upload.write(chunk)
+                written += len(chunk)
+            if written == 0:  # nothing to stage; an empty object would only be clutter
+                upload.abort()
+                return StagedUpload(staged.session_id, staged.offset, dict(staged.state))
+            upload.finish()
+        except BaseException:
+            upload.abort()
+            raise
+        chunk_list = [*staged.state.get("chunks", []), [staged.offset, written]]
+        return StagedUpload(staged.session_id, staged.offset + written, {**staged.state, "chunks": chunk_list})
+
+    def stage_commit(self, staged: StagedUpload, digest: str) -> int:
+        # writer() refuses a malformed digest before anything is dropped: that is
+        # a bad request, not evidence that the staged bytes are wrong.
+        writer = self.writer(digest, staged.offset)
+        try:
+            for key, length in self._staged_chunk_keys(staged):
+                for data in self._read_staged_chunk(staged, key, length):
+                    writer.write(data)
+            size = writer.commit()
+        except (DigestInvalid, SizeInvalid):
+            self.stage_abort(staged)
+            raise
+        finally:
+            writer.abort()  # no-op after a successful commit
+        # The blob is visible; if dropping the staging fails, Unavailable lets the
+        # client retry the commit (idempotent) instead of leaking the bytes.
+        self.stage_abort(staged)
+        return size
+
+    def _staged_chunk_keys(self, staged: StagedUpload) -> list[tuple[str, int]]:
+        """The chunk objects in stream order; the state must describe a gap-free stream."""
+        keys, expected_offset = [], 0
+        for offset, length in staged.state.get("chunks", []):
+            if offset != expected_offset:
+                raise BlobUploadUnknown("staged chunks are not contiguous", session_id=staged.session_id)
+            keys.append((self._chunk_key(staged.session_id, offset), length))
+            expected_offset += length
+        if expected_offset != staged.offset:
+            raise BlobUploadUnknown("staged chunks do not reach the offset", session_id=staged.session_id)
+        return keys
+
+    def _read_staged_chunk(self, staged: StagedUpload, key: str, length: int) -> Iterator[bytes]:
+        with _s3_errors("stage_commit"):
+            try:
+                response = self.client.get_object(Bucket=self.bucket, Key=key)
+            except ClientError as exc:
+                if _is_missing(exc):
+                    raise BlobUploadUnknown("staged bytes are missing", session_id=staged.session_id) from None
+                raise
+        if response["ContentLength"] != length:
+            response["Body"].close()
+            raise BlobUploadUnknown("staged chunk changed size", session_id=staged.session_id, key=key)
+        return _stream_body(response["Body"])
+
+    def stage_abort(self, staged: StagedUpload) -> None:
+        prefix = self._staging_prefix(staged.session_id)
+        # Open multipart uploads first: once aborted, no straggling part can
+        # complete a chunk object after the deletion below.
+        self._abort_multipart_uploads(prefix)
+        self._delete_prefix(prefix)
+
+    # -- operations ------------------------------------------------------------------------
+    def ping(self) -> None:
+        with _s3_errors("ping"):
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except ClientError as exc:  # a missing bucket is an outage to the service, too
+                code, status = _error_code(exc)
+                raise Unavailable("bucket not reachable", bucket=self.bucket, code=code, status=status) from exc
+
+    def sweep_orphans(self, older_than_s: float) -> int:
+        """Abort blob multipart uploads (processes killed mid-write) older than ``older_than_s``."""
+        cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
+        return self._abort_multipart_uploads(self._key("blobs/"), initiated_before=cutoff)
+
+    # -- plumbing used by _StreamingUpload and the staging ---------------------------------
+    def _put(self, key: str, body: bytes | bytearray) -> None:
+        with _s3_errors("put_object"):
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, ContentType=_CONTENT_TYPE)
+
+    def _create_multipart(self, key: str) -> str:
+        with _s3_errors("create_multipart_upload"):
+            response = self.client.create_multipart_upload(Bucket=self.bucket, Key=key, ContentType=_CONTENT_TYPE)
+        return response["UploadId"]
+
+    def _upload_part(self, key: str, upload_id: str, part_number: int, body: bytearray) -> dict:
+        with _s3_errors("upload_part"):
+            response = self.client.upload_part(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=part_number, Body=body
+            )
+        return {"PartNumber": part_number, "ETag": response["ETag"]}
+
+    def _complete_multipart(self, key: str, upload_id: str, parts: list[dict]) -> None:
+        with _s3_errors("complete_multipart_upload"):
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
+
+    def _abort_multipart(self, key: str, upload_id: str) -> None:
+        """Abort on an error path: never raise over the original error, but say what leaked."""
+        try:
+            with _s3_errors("abort_multipart_upload"):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except ClientError as exc:
+            if _error_code(exc)[0] != "NoSuchUpload":
+                logger.warning("abort of multipart upload %s on %s failed: %s", upload_id, key, exc)
+        except Unavailable as exc:
+            logger.warning(
+                "abort of multipart upload %s on %s failed (sweep_orphans reclaims it): %s", upload_id, key, exc.detail
+            )
+
+    def _abort_multipart_uploads(self, prefix: str, initiated_before: datetime | None = None) -> int:
+        aborted = 0
+        with _s3_errors("list_multipart_uploads"):
+            paginator = self.client.get_paginator("list_multipart_uploads")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                for upload in page.get("Uploads", []):
+                    if initiated_before is not None and upload["Initiated"] >= initiated_before:
+                        continue
+                    try:
+                        self.client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                    except ClientError as exc:
+                        if _error_code(exc)[0] != "NoSuchUpload":  # raced with its own abort
+                            raise
+                    aborted += 1
+        return aborted
+
+    def _delete_prefix(self, prefix: str) -> None:
+        with _s3_errors("delete_objects"):
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                if not keys:
+                    continue
+                # A listing page holds at most 1000 keys, delete_objects' own limit.
+                response = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+                if response.get("Errors"):
+                    raise Unavailable("could not delete staged objects", errors=response["Errors"][:5])
+
+
+def _stream_body(body) -> Iterator[bytes]:
+    """Yield an object's body in bounded chunks; mid-stream failures are outages."""
+    try:
+        with _s3_errors("read"):
+            yield from body.iter_chunks(READ_CHUNK_BYTES)
+    finally:
+        body.close()
+
+
+class _StreamingUpload:
+    """Bytes streamed to one key: a single PUT if they fit one part, else a
+    multipart upload with at most ``max_concurrency`` parts in flight.
+
+    Nothing is visible at the key until ``finish``; ``abort`` discards it all.
+    """
+
+    def __init__(self, storage: S3Storage, key: str, part_bytes: int) -> None:
+        self._storage = storage
+        self._key = key
+        self._part_bytes = part_bytes
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._parts: list[Future] = []
+        # Bounds parts in flight, hence memory: write() blocks on it.
+        self._slots = threading.Semaphore(storage.max_concurrency)
+        self._failure: BaseException | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            if len(self._buffer) == self._part_bytes:
+                # Cut a part only once more bytes arrive: a stream of exactly one
+                # part stays a single PUT, and the last part is never empty.
+                self._send_part(self._buffer)
+                self._buffer = bytearray()
+            room = self._part_bytes - len(self._buffer)
+            self._buffer += view[:room]
+            view = view[room:]
+
+    def finish(self) -> None:
+        """Make the bytes visible at the key (the caller has verified them)."""
+        if self._upload_id is None:
+            self._storage._put(self._key, self._buffer)
+            self._buffer = bytearray()
+            return
+        self._send_part(self._buffer)  # the last part: the only one allowed below 5 MiB
+        self._buffer = bytearray()
+        parts = [future.result() for future in self._parts]  # re-raises a part's failure
+        self._storage._complete_multipart(self._key, self._upload_id, parts)
+        self._upload_id = None  # completed: nothing left to abort
+        self._shutdown_pool()
+
+    def abort(self) -> None:
+        """Discard everything: buffered bytes, parts in flight, the multipart upload. Idempotent."""
+        self._buffer = bytearray()
+        self._shutdown_pool()
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            self._storage._abort_multipart(self._key, upload_id)
+
+    def _send_part(self, body: bytearray) -> None:
+        if self._failure is not None:  # fail fast: stop reading the client's stream
+            raise self._failure
+        if self._upload_id is None:
+            self._upload_id = self._storage._create_multipart(self._key)
+            self._pool = ThreadPoolExecutor(self._storage.max_concurrency, thread_name_prefix="cgstore-s3-part")
+        part_number = len(self._parts) + 1
+        if part_number > MAX_PARTS:
+            raise TooLarge("blob needs more than 10000 parts; declare its size up front", parts=MAX_PARTS)
+        self._slots.acquire()
+        future = self._pool.submit(self._storage._upload_part, self._key, self._upload_id, part_number, body)
+        future.add_done_callback(self._part_done)
+        self._parts.append(future)
+
+    def _part_done(self, future: Future) -> None:
+        self._slots.release()
+        if not future.cancelled() and future.exception() is not None and self._failure is None:
+            self._failure = future.exception()
+
+    def _shutdown_pool(self) -> None:
+        if self._pool is not None:
+            # Waits for parts already uploading (bounded by the client timeouts),
+            # so an abort that follows cannot race a straggling part.
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+class S3BlobWriter(BlobWriter):
+    """One verified write: hash on the way in, complete (or PUT) only on a match."""
+
+    def __init__(self, verifier: StreamVerifier, upload: _StreamingUpload) -> None:
+        self._verifier = verifier
+        self._upload = upload
+        self._state = "open"
+
+    def write(self, chunk: bytes) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"write on a {self._state} writer")
+        try:
+            self._verifier.update(chunk)
+            self._upload.write(chunk)
+        except BaseException:
+            self.abort()
+            raise
+
+    def commit(self) -> int:
+        if self._state != "open":
+            raise RuntimeError(f"commit on a {self._state} writer")
+        try:
+            self._verifier.verify()
+            self._upload.finish()
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "committed"
+        return self._verifier.size
+
+    def abort(self) -> None:
+        if self._state == "open":
+            self._state = "aborted"
+            self._upload.abort()

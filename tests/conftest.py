@@ -1,0 +1,58 @@
+"""Session-wide fixtures: real PostgreSQL and S3 servers, and the store in both configurations."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import services
+from tests.support.live_store import CONFIGURATIONS, running_store, settings_for
+
+pytest_plugins: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One moto_server process for the whole session (each store gets its own bucket)."""
+    with services.moto_s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """A fresh PostgreSQL database for this session, dropped at the end."""
+    with services.postgres_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="session", params=CONFIGURATIONS)
+def store(request, tmp_path_factory):
+    """The store, running, once per configuration: every test using it runs twice."""
+    configuration = request.param
+    needs_servers = configuration == "production"
+    pg = request.getfixturevalue("pg_url") if needs_servers else None
+    s3 = request.getfixturevalue("s3_server") if needs_servers else None
+    home = tmp_path_factory.mktemp(f"home-{configuration}")
+    with running_store(settings_for(configuration, home, pg_url=pg, s3=s3), configuration) as live:
+        yield live
+
+
+@pytest.fixture
+def make_store(request, tmp_path_factory):
+    """Start an extra store with setting overrides: ``make_store("production", upload_session_ttl_s=1)``.
+
+    Production stores share the session database, which is fine: tests use unique repo names.
+    """
+    stack = []
+
+    def start(configuration: str, **overrides):
+        needs_servers = configuration == "production"
+        pg = request.getfixturevalue("pg_url") if needs_servers else None
+        s3 = request.getfixturevalue("s3_server") if needs_servers else None
+        home = tmp_path_factory.mktemp(f"extra-{configuration}")
+        manager = running_store(settings_for(configuration, home, pg_url=pg, s3=s3, **overrides), configuration)
+        stack.append(manager)
+        return manager.__enter__()
+
+    yield start
+    for manager in reversed(stack):
+        manager.__exit__(None, None, None)
