@@ -30,6 +30,7 @@ Public API::
     validate_key(key) / is_key(key)
     validate_digest(s) / is_digest(s)
     validate_sm(sm) / is_sm(sm) / cpu_sm(machine, isa_tokens)
+    canonical_guidance(value) -> str
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ __all__ = [
     "Request",
     "SM_RE",
     "Toolchain",
+    "canonical_guidance",
     "canonical_json",
     "ck1",
     "cpu_sm",
@@ -242,7 +244,11 @@ def canonical_guidance(value: object) -> str:
     number = _guidance_decimal(value)
     if number.is_zero():
         return "0"  # -0.0 and 0 are one value
-    text = format(number.normalize(), "f")
+    if number.adjusted() < -_MAX_GUIDANCE_CHARS:
+        # Checked before formatting: a tiny exponent would expand into a huge string.
+        raise EnvelopeError(f"guidance {value!r} needs more than {_MAX_GUIDANCE_CHARS} characters")
+    # No normalize(): it rounds to the context precision and could merge distinct values.
+    text = format(number, "f")
     if "." in text:
         text = text.rstrip("0").rstrip(".")
     if len(text) > _MAX_GUIDANCE_CHARS:
@@ -260,6 +266,8 @@ def _guidance_decimal(value: object) -> Decimal:
             raise EnvelopeError(f"guidance must be finite, got {value!r}")
         number = Decimal(repr(value))  # repr is the shortest string that round-trips
     elif isinstance(value, (Decimal, str)):
+        if isinstance(value, str) and len(value) > _MAX_GUIDANCE_CHARS:
+            raise EnvelopeError(f"guidance {value[:50]!r} is longer than {_MAX_GUIDANCE_CHARS} characters")
         try:
             number = Decimal(value.strip() if isinstance(value, str) else value)
         except InvalidOperation:

@@ -80,8 +80,6 @@ from cgstore_client.errors import MetadataError
 from cgstore_client.keys import canonical_json, is_sm
 
 __all__ = [
-    "GIB",
-    "MIB",
     "ACTIVATION_SPIKE_FRACTION",
     "BINDINGS",
     "BINDING_FIT",
@@ -93,16 +91,21 @@ __all__ = [
     "CompiledGraphMetadata",
     "FRAGMENTATION_HEADROOM_BYTES",
     "FitBlock",
+    "GIB",
     "KIND_AOT_INDUCTOR",
     "KIND_RETIRED_INDUCTOR_CACHE",
     "KernelLane",
     "LANE_RE",
     "MARGIN_FRACTION",
     "MAX_DEPTH",
+    "MIB",
     "QUANTUM_BYTES",
     "RULE_FIT_CONSTRAINED_SPEED",
     "build_metadata",
     "is_lane",
+    "looks_like_wall_clock_key",
+    "looks_like_wall_clock_value",
+    "parse_kernel_lane",
     "parse_metadata",
     "parse_metadata_json",
     "quantize_up",
@@ -390,7 +393,10 @@ class CompiledGraphMetadata:
         for key, value in extra.items():
             _check_extra(key, value)
         _check_depth(dict(extra), "extra")  # extras are merged into the top-level object (depth 1)
-        object.__setattr__(self, "extra", MappingProxyType(dict(sorted(extra.items()))))
+        # A JSON round trip deep-copies the extras (callers cannot mutate them
+        # afterwards) and turns tuples into lists, so equality survives re-reading.
+        copied = json.loads(json.dumps(dict(extra), sort_keys=True))
+        object.__setattr__(self, "extra", MappingProxyType(copied))
 
     def to_document(self) -> dict[str, object]:
         """The canonical document; :meth:`to_json_bytes` writes it reproducibly."""

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from cgstore.core.errors import StoreError
 from cgstore.settings import Settings
 
 app = typer.Typer(help="cgstore: the registry for PyTorch compiled graphs.", no_args_is_help=True)
@@ -84,7 +85,11 @@ def token_mint(
     url = settings.resolved_database_url
     if url.startswith("sqlite"):
         migrations.upgrade(url)
-    minted = TokenService(Database(url), settings).mint(sub, grant, parse_duration(ttl), platform=platform)
+    try:
+        minted = TokenService(Database(url), settings).mint(sub, grant, parse_duration(ttl), platform=platform)
+    except StoreError as err:
+        typer.echo(f"error: {err.code}: {err.message}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(minted.token)
 
 

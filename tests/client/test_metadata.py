@@ -441,6 +441,14 @@ def test_harmless_extras_are_kept_and_written_back():
     assert parse_metadata_json(metadata.to_json_bytes()) == metadata
 
 
+def test_extras_are_copied_and_normalized():
+    extras = {"shards": (1, 2), "layout": {"parts": ["a"]}}
+    metadata = build_metadata(sm="sm_90", extra=extras)
+    extras["layout"]["parts"].append("b")
+    assert dict(metadata.extra) == {"shards": [1, 2], "layout": {"parts": ["a"]}}
+    assert parse_metadata_json(metadata.to_json_bytes()) == metadata
+
+
 @pytest.mark.parametrize(
     "extras, match",
     [

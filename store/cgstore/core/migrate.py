@@ -43,3 +43,7 @@ def is_current(url: str) -> bool:
             return MigrationContext.configure(conn).get_current_revision() == head
     finally:
         engine.dispose()
+
+
+def alembic_downgrade(url: str, revision: str) -> None:
+    command.downgrade(alembic_config(url), revision)

@@ -208,7 +208,7 @@ class S3Storage(Storage):
         max_concurrency: int = 4,
         max_blob_bytes: int | None = None,
         connect_timeout_s: float = 2.0,
-        read_timeout_s: float = 20.0,
+        read_timeout_s: float = 10.0,
         max_attempts: int = 3,
     ) -> None:
         if part_bytes < MIN_PART_BYTES:

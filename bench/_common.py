@@ -1,0 +1,212 @@
+"""Shared plumbing of the bench scripts: backing services, the store process, RSS and CPU sampling.
+
+Services are started exactly the way the tests start them (``tests/support/services.py``):
+a fresh PostgreSQL database (created, then dropped), ``moto_server`` on a free
+loopback port, and ``cgstore serve`` as a separate process configured through
+the same ``CGSTORE_*`` variables a deployment uses. Every bench script prints
+details on earlier lines and exactly one JSON object on its last line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.support import services  # noqa: E402  (needs the repo root on sys.path)
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def log(*parts: object) -> None:
+    """A detail line (never the last line: that one is the JSON result)."""
+    print(*parts, flush=True)
+
+
+def emit_result(result: dict) -> None:
+    """The script's last line: exactly one JSON object."""
+    sys.stdout.flush()
+    print(json.dumps(result, sort_keys=False), flush=True)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+# -- memory and CPU of other processes ---------------------------------------------------
+
+class RssSampler:
+    """Samples a process's RSS every ``interval_s`` in a background thread; keeps the peak."""
+
+    def __init__(self, pid: int, interval_s: float = 0.02) -> None:
+        self._process = psutil.Process(pid)
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.peak_bytes = 0
+        self.samples = 0
+
+    def sample(self) -> int:
+        rss = self._process.memory_info().rss
+        self.peak_bytes = max(self.peak_bytes, rss)
+        self.samples += 1
+        return rss
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(psutil.Error):
+                self.sample()
+            self._stop.wait(self._interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with contextlib.suppress(psutil.Error):
+            self.sample()
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / MiB
+
+
+def rss_mib(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / MiB
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (threads included)."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+@dataclass
+class Timing:
+    """Wall time of a block and the CPU time each watched process spent in it."""
+
+    wall_s: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def timed(watch: dict[str, int]) -> Iterator[Timing]:
+    """``with timed({"server": pid, "moto": pid, "client": os.getpid()}) as t: ...``"""
+    timing = Timing()
+    before = {name: cpu_seconds(pid) for name, pid in watch.items()}
+    start = time.perf_counter()
+    yield timing
+    timing.wall_s = time.perf_counter() - start
+    timing.cpu_s = {name: cpu_seconds(pid) - before[name] for name, pid in watch.items()}
+
+
+# -- test data ------------------------------------------------------------------------------
+
+def write_random_file(path: Path, size: int, block_bytes: int = 16 * MiB) -> None:
+    """``size`` random bytes, generated a block at a time (never the whole file in memory)."""
+    with open(path, "wb") as out:
+        remaining = size
+        while remaining:
+            n = min(block_bytes, remaining)
+            out.write(os.urandom(n))
+            remaining -= n
+
+
+def blake3_file(path: Path) -> str:
+    """``blake3:<hex>`` of a file, multi-threaded over an mmap (not meant to be timed)."""
+    import blake3
+
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if path.stat().st_size:
+        hasher.update_mmap(str(path))
+    return "blake3:" + hasher.hexdigest()
+
+
+def read_chunks(path: Path, chunk_bytes: int = MiB) -> Iterator[bytes]:
+    with open(path, "rb") as source:
+        while chunk := source.read(chunk_bytes):
+            yield chunk
+
+
+# -- the running stack ----------------------------------------------------------------------
+
+@dataclass
+class Stack:
+    """PostgreSQL database + moto_server + a bucket + the store process using them."""
+
+    store: services.StoreProcess
+    s3: services.S3Server
+    bucket: str
+    database_url: str
+    home: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.store.base_url
+
+    @property
+    def server_pid(self) -> int:
+        return self.store.process.pid
+
+    @property
+    def moto_pid(self) -> int:
+        return self.s3.process.pid
+
+    def mint(self, sub: str, *grants: str, ttl: str = "1h") -> str:
+        """A token minted by the store's own CLI, in the store's environment."""
+        args = [sys.executable, "-m", "cgstore.cli", "token", "mint", "--sub", sub, "--ttl", ttl]
+        for grant in grants:
+            args += ["--grant", grant]
+        done = subprocess.run(
+            args, env=self.store.env, cwd=REPO_ROOT, check=True, capture_output=True, text=True
+        )
+        return done.stdout.strip().splitlines()[-1]
+
+
+@contextlib.contextmanager
+def production_stack(prefix: str = "cgstore_bench", **settings: object) -> Iterator[Stack]:
+    """Start PostgreSQL (database created here, dropped after), moto_server and the
+    store (PostgreSQL + S3) as a separate process; stop and drop everything after.
+
+    ``settings`` are extra store options by field name (``redirect_downloads=True``),
+    passed as ``CGSTORE_<NAME>`` variables like any deployment would.
+    """
+    with contextlib.ExitStack() as stack:
+        database_url = stack.enter_context(services.postgres_database(prefix))
+        s3 = stack.enter_context(services.moto_s3_server())
+        bucket = s3.create_bucket()
+        home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cgstore-bench-home-")))
+        env = {
+            "CGSTORE_DATABASE_URL": database_url,
+            "CGSTORE_STORAGE_URL": s3.storage_url(bucket),
+            **{f"CGSTORE_{name.upper()}": _env_value(value) for name, value in settings.items()},
+        }
+        store = stack.enter_context(services.store_process(env, home))
+        yield Stack(store=store, s3=s3, bucket=bucket, database_url=database_url, home=home)
+
+
+def _env_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
