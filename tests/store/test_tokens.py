@@ -297,6 +297,48 @@ def test_prop_subset_is_sound(child, parent, owner: str, repo: str, action: str)
         assert grant_allows(parent, owner, repo, action)
 
 
+def _instantiate(pattern: str, chars: str, data) -> str:
+    """A name the pattern matches (when it is valid): each * and ? filled at random."""
+    out = []
+    for ch in pattern:
+        if ch == "*":
+            out.append(data.draw(st.text(alphabet=chars, max_size=3)))
+        elif ch == "?":
+            out.append(data.draw(st.sampled_from(chars)))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _derived_part(parent_part: str, randoms: st.SearchStrategy[str], chars: str, data) -> str:
+    # Same as the parent, a random pattern, or a name the parent's pattern matches:
+    # so that is_subset holds often, and fails often, on related patterns.
+    choice = data.draw(st.sampled_from(["same", "random", "instance"]))
+    if choice == "same":
+        return parent_part
+    if choice == "random":
+        return data.draw(randoms)
+    return _instantiate(parent_part, chars, data)
+
+
+@hsettings(max_examples=1000)
+@given(grants, st.data())
+def test_prop_subset_is_sound_on_names_the_child_matches(parent: Grant, data) -> None:
+    child_owner = _derived_part(parent.owner_pattern, owner_patterns, "ab-", data)
+    child_repo = _derived_part(parent.repo_pattern, repo_patterns, "ab.-", data)
+    child_actions = data.draw(actions)
+    if not (_parses(f"{child_owner}/{child_repo}:read")):
+        return
+    child = Grant(child_owner, child_repo, child_actions)
+    if not is_subset((child,), (parent,)):
+        return
+    owner = _instantiate(child_owner, "ab-", data)
+    repo = _instantiate(child_repo, "ab.-", data)
+    for action in ACTIONS:
+        if child.allows(owner, repo, action):
+            assert parent.allows(owner, repo, action), (child, parent, owner, repo, action)
+
+
 @given(grants, owner_names, repo_names, st.data())
 def test_prop_narrowing_is_always_accepted(parent: Grant, owner: str, repo: str, data) -> None:
     # Replace each part the parent matches by that literal name, and drop actions.

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import blake3
+from cgstore_client.keys import is_digest
 from sqlalchemy import delete, func, select, update
 
 from cgstore.audit.service import record
@@ -41,12 +42,11 @@ from cgstore.repos.service import readable_repo, writable_repo
 from cgstore.storage import BlobWriter, StagedUpload
 from cgstore.tokens.service import Claims
 
-DIGEST_RE = re.compile(r"blake3:[0-9a-f]{64}", re.ASCII)
 MAX_MISSING_QUERY = 1024
 
 
 def validate_digest(digest: str) -> str:
-    if not DIGEST_RE.fullmatch(digest):
+    if not is_digest(digest):
         raise DigestInvalid("digests are 'blake3:' + 64 lowercase hex", digest=digest[:100])
     return digest
 

@@ -13,12 +13,22 @@ reader sees either no blob or the whole blob, and two identical concurrent
 writes both succeed and leave one file. A mismatch deletes the temp file, so
 nothing is ever visible under ``blobs/`` that was not verified.
 
-Staged uploads append to one file per session. Each append ends with an fsync
-before it returns, because the caller then records the new offset in the
-database: the recorded offset must never run ahead of durable bytes. A chunk
-that fails midway is truncated back to the offset it started at, and an append
-also truncates any tail a crashed process left past the recorded offset.
-Callers serialize appends per session (the service holds the session's row).
+Staged uploads append to one file per session. The caller records a new
+offset with a compare-and-set *after* ``stage_append`` returns, so two racing
+appends at one offset both reach storage and only one is recorded. Overwriting
+at the offset would let the loser corrupt the winner's bytes; instead every
+append goes to the current end of the file, under an exclusive ``flock``, and
+the session state lists the live ``[file_position, length]`` extents. Bytes no
+extent names (a loser's, a crashed append's) are dead. An append ends with an
+fsync before it returns (the recorded offset must never run ahead of durable
+bytes); one that fails midway truncates the file back to where it started.
+
+``stage_commit`` hashes the live extents (streaming). In the usual case they
+are contiguous from byte 0: the dead tail is cut and the file is renamed into
+``blobs/``. Otherwise the live extents are copied through a verified write.
+The lock also keeps a late append from writing into a file that a commit has
+just renamed into ``blobs/``: after locking, an append checks that the path
+still names its file.
 
 ``tmp/`` can keep files of processes killed mid-write; ``sweep_orphans``
 removes those older than a given age.
@@ -27,6 +37,7 @@ removes those older than a given age.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import time
 import uuid
@@ -155,75 +166,117 @@ class FileStorage(Storage):
     def stage_begin(self, session_id: str) -> StagedUpload:
         path = self._upload_path(session_id)
         with _os_errors("stage_begin"):
-            path.write_bytes(b"")
+            # O_EXCL: session ids are fresh; never truncate another session's bytes.
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
             _fsync_dir(self.uploads_dir)
-        return StagedUpload(session_id=session_id, offset=0, state={})
+        return StagedUpload(session_id=session_id, offset=0, state={"extents": []})
 
     def stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
-        path = self._upload_path(staged.session_id)
-        try:
-            fd = os.open(path, os.O_WRONLY)
-        except FileNotFoundError:
-            raise BlobUploadUnknown("no such upload session", session_id=staged.session_id) from None
-        except OSError as exc:
-            raise Unavailable("storage failed", operation="stage_append", cause=str(exc)) from exc
-        try:
-            _cut_to_offset(fd, staged)
-            offset = self._append_chunks(fd, staged, chunks)
-        finally:
-            os.close(fd)
-        return StagedUpload(session_id=staged.session_id, offset=offset, state=dict(staged.state))
+        extents = _extents(staged)
+        with self._locked_staging(staged.session_id) as fd:
+            # Append after everything in the file, never at the offset: bytes past
+            # the offset may be a crashed append's or those of a racing append whose
+            # compare-and-set on the offset has not landed yet.
+            position = os.fstat(fd).st_size
+            written = self._append_chunks(fd, staged.offset, position, chunks)
+        if written:
+            extents.append([position, written])
+        return StagedUpload(staged.session_id, staged.offset + written, {**staged.state, "extents": extents})
 
-    def _append_chunks(self, fd: int, staged: StagedUpload, chunks: Iterator[bytes]) -> int:
-        """Write the chunks at the offset and fsync; on any failure cut back to the offset."""
-        offset = staged.offset
+    def _append_chunks(self, fd: int, offset: int, position: int, chunks: Iterator[bytes]) -> int:
+        """Write the chunks at ``position`` and fsync; on any failure cut the file back."""
+        written = 0
         try:
             with _os_errors("stage_append"):
-                os.lseek(fd, offset, os.SEEK_SET)
+                os.lseek(fd, position, os.SEEK_SET)
                 for chunk in chunks:
-                    if self.max_blob_bytes is not None and offset + len(chunk) > self.max_blob_bytes:
+                    if self.max_blob_bytes is not None and offset + written + len(chunk) > self.max_blob_bytes:
                         raise TooLarge("blob exceeds the store's size limit", limit=self.max_blob_bytes)
                     _write_all(fd, chunk)
-                    offset += len(chunk)
+                    written += len(chunk)
+                # Durable before the caller records the new offset in the database.
                 os.fsync(fd)
         except BaseException:
-            # Best effort: if even the truncate fails, the next append truncates.
+            # Best effort: bytes left behind are dead (no extent names them).
             with contextlib.suppress(OSError):
-                os.ftruncate(fd, staged.offset)
+                os.ftruncate(fd, position)
             raise
-        return offset
+        return written
 
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         # A malformed digest is refused before anything is dropped: it is a bad
         # request, not evidence that the staged bytes are wrong.
-        verifier = StreamVerifier(digest, staged.offset)
+        parse_digest(digest)
+        extents = _extents(staged)
         path = self._upload_path(staged.session_id)
-        try:
-            file = open(path, "rb")  # noqa: SIM115 - closed right below
-        except FileNotFoundError:
-            raise BlobUploadUnknown("no such upload session", session_id=staged.session_id) from None
-        with file, _os_errors("stage_commit"):
-            staged_bytes = os.fstat(file.fileno()).st_size
-            if staged_bytes < staged.offset:
+        with self._locked_staging(staged.session_id) as fd:
+            with _os_errors("stage_commit"):
+                file_size = os.fstat(fd).st_size
+            if any(position + length > file_size for position, length in extents):
                 raise BlobUploadUnknown("staged bytes are missing", session_id=staged.session_id)
-            for chunk in _stream_file(file, 0, staged.offset):
-                verifier.update(chunk)
-        try:
-            verifier.verify()
-        except (DigestInvalid, SizeInvalid):
-            self.stage_abort(staged)
-            raise
-        with _os_errors("stage_commit"):
-            if staged_bytes > staged.offset:  # a crashed append's tail is not part of the blob
-                os.truncate(path, staged.offset)
-                with open(path, "rb+") as tail_cut:
-                    os.fsync(tail_cut.fileno())
-            self._place(path, verifier.hex)
+            try:
+                if _contiguous_from_zero(extents):
+                    self._commit_in_place(fd, path, staged, extents, digest)
+                else:
+                    self._commit_by_copy(fd, staged, extents, digest)
+            except (DigestInvalid, SizeInvalid):
+                self.stage_abort(staged)
+                raise
         return staged.offset
 
+    def _commit_in_place(self, fd: int, path: Path, staged: StagedUpload, extents: list, digest: str) -> None:
+        """The usual case (no retried or racing appends): hash, cut dead tail, rename."""
+        verifier = StreamVerifier(digest, staged.offset)
+        for data in _read_extents(fd, extents):
+            verifier.update(data)
+        verifier.verify()
+        with _os_errors("stage_commit"):
+            os.ftruncate(fd, staged.offset)  # drop a dead tail, if any
+            os.fsync(fd)
+            self._place(path, verifier.hex)
+
+    def _commit_by_copy(self, fd: int, staged: StagedUpload, extents: list, digest: str) -> None:
+        """Dead bytes sit between live extents: copy the live ones through a verified write."""
+        with self.writer(digest, staged.offset) as writer:
+            for data in _read_extents(fd, extents):
+                writer.write(data)
+            writer.commit()
+        with _os_errors("stage_commit"):
+            self._upload_path(staged.session_id).unlink(missing_ok=True)
+
     def stage_abort(self, staged: StagedUpload) -> None:
+        # No lock: an append still running writes into the unlinked inode, whose
+        # bytes the kernel frees when it closes.
         with _os_errors("stage_abort"):
             self._upload_path(staged.session_id).unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def _locked_staging(self, session_id: str) -> Iterator[int]:
+        """The session's staging file, opened and exclusively locked.
+
+        After the lock is granted, the path must still name the locked file: a
+        commit may have renamed it into ``blobs/`` (writing to it now would
+        corrupt a visible blob) or an abort may have unlinked it.
+        """
+        path = self._upload_path(session_id)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise BlobUploadUnknown("no such upload session", session_id=session_id) from None
+        except OSError as exc:
+            raise Unavailable("storage failed", operation="stage", cause=str(exc)) from exc
+        try:
+            with _os_errors("stage"):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    still_ours = os.stat(path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    still_ours = False
+            if not still_ours:
+                raise BlobUploadUnknown("no such upload session", session_id=session_id)
+            yield fd
+        finally:
+            os.close(fd)  # also releases the lock
 
     # -- operations ------------------------------------------------------------------
     def ping(self) -> None:
@@ -244,14 +297,34 @@ class FileStorage(Storage):
         return removed
 
 
-def _cut_to_offset(fd: int, staged: StagedUpload) -> None:
-    """Drop bytes a crashed append left past the recorded offset; refuse lost bytes."""
-    with _os_errors("stage_append"):
-        staged_bytes = os.fstat(fd).st_size
-        if staged_bytes > staged.offset:
-            os.ftruncate(fd, staged.offset)
-    if staged_bytes < staged.offset:
-        raise BlobUploadUnknown("staged bytes are missing", session_id=staged.session_id)
+def _extents(staged: StagedUpload) -> list[list[int]]:
+    """The live ``[file_position, length]`` extents, in stream order; they must add up to the offset."""
+    extents = [[int(position), int(length)] for position, length in staged.state.get("extents", [])]
+    if sum(length for _, length in extents) != staged.offset:
+        raise BlobUploadUnknown("staged extents do not reach the offset", session_id=staged.session_id)
+    return extents
+
+
+def _contiguous_from_zero(extents: list[list[int]]) -> bool:
+    expected = 0
+    for position, length in extents:
+        if position != expected:
+            return False
+        expected += length
+    return True
+
+
+def _read_extents(fd: int, extents: list[list[int]]) -> Iterator[bytes]:
+    """Yield the extents' bytes in bounded chunks (``pread``: no shared file position)."""
+    with _os_errors("stage_commit"):
+        for position, length in extents:
+            end = position + length
+            while position < end:
+                data = os.pread(fd, min(READ_CHUNK_BYTES, end - position), position)
+                if not data:
+                    raise BlobUploadUnknown("staged bytes are missing")
+                position += len(data)
+                yield data
 
 
 def _stream_file(file, start: int, end: int | None) -> Iterator[bytes]:

@@ -75,7 +75,8 @@ class StreamVerifier:
         self.expected_size = expected_size
         self.max_bytes = max_bytes
         self.size = 0
-        self._hasher = blake3.blake3()
+        # Multithreaded for large updates (1 MiB reads at commit); small ones stay single-threaded.
+        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
         if expected_size is not None and expected_size < 0:
             raise SizeInvalid("size must not be negative", expected=expected_size)
         if expected_size is not None and max_bytes is not None and expected_size > max_bytes:

@@ -23,16 +23,20 @@ Staged uploads (resumable sessions)
 S3 parts must be ≥ 5 MiB except the last, but a PATCH chunk can be any size,
 and the blake3 state cannot be saved between requests (any server process may
 serve the next PATCH). The design taken: every PATCH chunk becomes its own
-object ``uploads/<session>/<offset:016d>`` (written with the same streaming
-upload, so a huge chunk is itself a multipart upload and a small one a single
-PUT); the session state records the ``[offset, length]`` of every chunk.
-``stage_commit`` streams the chunk objects in order through a verifying
-``writer()`` onto the final key, then deletes the staging objects.
+object ``uploads/<session>/<offset:016d>-<random>`` (written with the same
+streaming upload, so a huge chunk is itself a multipart upload and a small one
+a single PUT); the session state records ``[offset, length, name]`` of every
+chunk. The random part matters: the caller records a new offset by
+compare-and-set after ``stage_append`` returns, so two racing appends at one
+offset must not overwrite each other's object. ``stage_commit`` streams the
+recorded chunk objects in order through a verifying ``writer()`` onto the
+final key, then deletes everything under the session's prefix (unrecorded
+chunks of lost races or crashed appends included).
 
 - Why: it is the simplest correct design. Every chunk object is atomic (a
   chunk that fails midway leaves no object, and its multipart upload is
-  aborted), a retried chunk at the same offset overwrites the same key, and
-  any chunk size works.
+  aborted), objects are never modified once written, and any chunk size
+  works.
 - Cost: a staged blob crosses the server twice, once in, once at commit
   (read back and re-uploaded; the read is pipelined with the concurrent part
   uploads). The alternative, a session-level multipart upload with a small
@@ -63,6 +67,7 @@ import contextlib
 import logging
 import math
 import threading
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -89,14 +94,8 @@ from cgstore.core.errors import (
 )
 from cgstore.settings import parse_s3_url
 from cgstore.storage.base import BlobWriter, StagedUpload, Storage
-from cgstore.storage.hashing import (
-    READ_CHUNK_BYTES,
-    StreamVerifier,
-    blob_key,
-    check_range,
-    check_session_id,
-    parse_digest,
-)
+from cgstore.storage import hashing
+from cgstore.storage.hashing import READ_CHUNK_BYTES, StreamVerifier, check_range, check_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -260,18 +259,16 @@ class S3Storage(Storage):
         )
 
     # -- keys ------------------------------------------------------------------------
-    def _key(self, relative: str) -> str:
+    def key(self, relative: str) -> str:
+        """The object key of ``relative`` (``blobs/…``, ``uploads/…``) under the prefix."""
         return self.prefix + relative
 
-    def _blob_key(self, digest: str) -> str:
-        return self._key(blob_key(parse_digest(digest)))
+    def blob_key(self, digest: str) -> str:
+        """The object key of the blob ``digest``."""
+        return self.key(hashing.blob_key(hashing.parse_digest(digest)))
 
     def _staging_prefix(self, session_id: str) -> str:
-        return self._key(f"uploads/{check_session_id(session_id)}/")
-
-    def _chunk_key(self, session_id: str, offset: int) -> str:
-        # Zero-padded so that a listing sorts chunks in stream order.
-        return self._staging_prefix(session_id) + f"{offset:016d}"
+        return self.key(f"uploads/{check_session_id(session_id)}/")
 
     def _part_bytes_for(self, size: int | None) -> int:
         """The configured part size, grown (whole MiB) when a known size needs > 10 000 parts."""
@@ -283,11 +280,11 @@ class S3Storage(Storage):
     # -- blobs -----------------------------------------------------------------------
     def writer(self, digest: str, size: int | None = None) -> BlobWriter:
         verifier = StreamVerifier(digest, size, self.max_blob_bytes)
-        upload = _StreamingUpload(self, self._key(blob_key(verifier.hex)), self._part_bytes_for(size))
+        upload = _StreamingUpload(self, self.key(hashing.blob_key(verifier.hex)), self._part_bytes_for(size))
         return S3BlobWriter(verifier, upload)
 
     def size(self, digest: str) -> int | None:
-        key = self._blob_key(digest)
+        key = self.blob_key(digest)
         with _s3_errors("size"):
             try:
                 return self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
@@ -297,7 +294,7 @@ class S3Storage(Storage):
                 raise
 
     def read(self, digest: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
-        key = self._blob_key(digest)
+        key = self.blob_key(digest)
         check_range(start, end)
         if end is not None and end == start:  # S3 has no empty Range; still answer "absent"
             if self.size(digest) is None:
@@ -320,14 +317,14 @@ class S3Storage(Storage):
         return _stream_body(response["Body"])
 
     def presigned_url(self, digest: str, ttl_s: int) -> str | None:
-        key = self._blob_key(digest)
+        key = self.blob_key(digest)
         with _s3_errors("presign"):  # signing is local; only missing credentials can fail
             return self.presign_client.generate_presigned_url(
                 "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=ttl_s
             )
 
     def delete(self, digest: str) -> None:
-        key = self._blob_key(digest)
+        key = self.blob_key(digest)
         with _s3_errors("delete"):
             self.client.delete_object(Bucket=self.bucket, Key=key)
 
@@ -337,7 +334,12 @@ class S3Storage(Storage):
         return StagedUpload(session_id=session_id, offset=0, state={"chunks": []})
 
     def stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
-        upload = _StreamingUpload(self, self._chunk_key(staged.session_id, staged.offset), self.part_bytes)
+        # A fresh name per append, never one derived from the offset alone: the
+        # caller records the new offset by compare-and-set *after* this returns,
+        # so a racing append at the same offset must not overwrite the winner's
+        # object. Unrecorded objects are dropped with the session's prefix.
+        name = f"{staged.offset:016d}-{uuid.uuid4().hex[:16]}"
+        upload = _StreamingUpload(self, self._staging_prefix(staged.session_id) + name, self.part_bytes)
         written = 0
         try:
             for chunk in chunks:
@@ -352,7 +354,7 @@ class S3Storage(Storage):
         except BaseException:
             upload.abort()
             raise
-        chunk_list = [*staged.state.get("chunks", []), [staged.offset, written]]
+        chunk_list = [*staged.state.get("chunks", []), [staged.offset, written, name]]
         return StagedUpload(staged.session_id, staged.offset + written, {**staged.state, "chunks": chunk_list})
 
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
@@ -377,10 +379,11 @@ class S3Storage(Storage):
     def _staged_chunk_keys(self, staged: StagedUpload) -> list[tuple[str, int]]:
         """The chunk objects in stream order; the state must describe a gap-free stream."""
         keys, expected_offset = [], 0
-        for offset, length in staged.state.get("chunks", []):
+        for offset, length, name in staged.state.get("chunks", []):
             if offset != expected_offset:
                 raise BlobUploadUnknown("staged chunks are not contiguous", session_id=staged.session_id)
-            keys.append((self._chunk_key(staged.session_id, offset), length))
+            # The name comes back from the database: it must still be one safe key segment.
+            keys.append((self._staging_prefix(staged.session_id) + check_session_id(name), length))
             expected_offset += length
         if expected_offset != staged.offset:
             raise BlobUploadUnknown("staged chunks do not reach the offset", session_id=staged.session_id)
@@ -418,7 +421,7 @@ class S3Storage(Storage):
     def sweep_orphans(self, older_than_s: float) -> int:
         """Abort blob multipart uploads (processes killed mid-write) older than ``older_than_s``."""
         cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
-        return self._abort_multipart_uploads(self._key("blobs/"), initiated_before=cutoff)
+        return self._abort_multipart_uploads(self.key("blobs/"), initiated_before=cutoff)
 
     # -- plumbing used by _StreamingUpload and the staging ---------------------------------
     def _put(self, key: str, body: bytes | bytearray) -> None:

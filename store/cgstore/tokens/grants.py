@@ -190,6 +190,8 @@ def owner_pattern_matches(pattern: str, owner: str) -> bool:
     if not is_glob(pattern):
         return pattern == owner
     # The root gate's second lock: no wildcard, however spelled, reaches a reserved owner.
+    if owner in RESERVED_OWNERS:
+        return False
     return fnmatchcase(owner, pattern)
 
 
