@@ -97,6 +97,12 @@ class Storage(abc.ABC):
 
         If the stream fails midway, the returned/persisted state must still
         describe only fully staged chunks (the client retries from there).
+
+        Only the returned state names staged bytes. Callers record it by
+        compare-and-set on the offset *after* this returns, so two appends from
+        the same state may both run: neither may disturb the bytes the other's
+        state names, and bytes named by no recorded state (a lost race, a
+        crashed process) are reclaimed by ``stage_commit`` / ``stage_abort``.
         """
 
     @abc.abstractmethod

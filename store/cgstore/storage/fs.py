@@ -166,8 +166,11 @@ class FileStorage(Storage):
     def stage_begin(self, session_id: str) -> StagedUpload:
         path = self._upload_path(session_id)
         with _os_errors("stage_begin"):
-            # O_EXCL: session ids are fresh; never truncate another session's bytes.
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            try:
+                # O_EXCL: session ids are fresh; never truncate another session's bytes.
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            except FileExistsError:
+                raise ValueError(f"upload session {session_id} already has staging") from None
             _fsync_dir(self.uploads_dir)
         return StagedUpload(session_id=session_id, offset=0, state={"extents": []})
 
@@ -187,15 +190,18 @@ class FileStorage(Storage):
         """Write the chunks at ``position`` and fsync; on any failure cut the file back."""
         written = 0
         try:
+            # Only the disk's errors are outages; the chunk stream's (a client
+            # that went away: ConnectionResetError is an OSError) propagate as they are.
             with _os_errors("stage_append"):
                 os.lseek(fd, position, os.SEEK_SET)
-                for chunk in chunks:
-                    if self.max_blob_bytes is not None and offset + written + len(chunk) > self.max_blob_bytes:
-                        raise TooLarge("blob exceeds the store's size limit", limit=self.max_blob_bytes)
+            for chunk in chunks:
+                if self.max_blob_bytes is not None and offset + written + len(chunk) > self.max_blob_bytes:
+                    raise TooLarge("blob exceeds the store's size limit", limit=self.max_blob_bytes)
+                with _os_errors("stage_append"):
                     _write_all(fd, chunk)
-                    written += len(chunk)
-                # Durable before the caller records the new offset in the database.
-                os.fsync(fd)
+                written += len(chunk)
+            with _os_errors("stage_append"):
+                os.fsync(fd)  # durable before the caller records the new offset
         except BaseException:
             # Best effort: bytes left behind are dead (no extent names them).
             with contextlib.suppress(OSError):

@@ -17,9 +17,9 @@ import blake3
 from cgstore.core.errors import BlobUploadUnknown, DigestInvalid, SizeInvalid, TooLarge
 
 DIGEST_PREFIX = "blake3:"
-_DIGEST_RE = re.compile(r"^blake3:([0-9a-f]{64})$")
+_DIGEST_RE = re.compile(r"blake3:([0-9a-f]{64})")  # used with fullmatch: no trailing newline
 # Session ids become file names and object keys: no separators, no dot-files.
-_SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+_SESSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")  # used with fullmatch
 
 #: Chunk size of every streamed read (both backends): big enough for throughput,
 #: small enough that a thousand concurrent downloads stay in a GiB.
@@ -28,7 +28,7 @@ READ_CHUNK_BYTES = 1 << 20
 
 def parse_digest(digest: str) -> str:
     """The 64-hex part of a well-formed digest; ``DigestInvalid`` otherwise."""
-    match = _DIGEST_RE.match(digest) if isinstance(digest, str) else None
+    match = _DIGEST_RE.fullmatch(digest) if isinstance(digest, str) else None
     if match is None:
         raise DigestInvalid("digest must be blake3:<64 lowercase hex>", digest=str(digest)[:100])
     return match.group(1)
@@ -49,7 +49,7 @@ def blob_key(hex_digest: str) -> str:
 
 def check_session_id(session_id: str) -> str:
     """A session id safe to use as a file name / key segment; else it cannot exist."""
-    if not isinstance(session_id, str) or not _SESSION_ID_RE.match(session_id):
+    if not isinstance(session_id, str) or not _SESSION_ID_RE.fullmatch(session_id):
         raise BlobUploadUnknown("no such upload session", session_id=str(session_id)[:100])
     return session_id
 

@@ -121,6 +121,7 @@ _UNAVAILABLE_CODES = frozenset(
         "SignatureDoesNotMatch",
         "ExpiredToken",
         "InvalidToken",
+        "NoSuchUpload",  # our multipart upload vanished (swept or expired): retry from scratch
     }
 )
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
@@ -450,13 +451,14 @@ class S3Storage(Storage):
         """Abort on an error path: never raise over the original error, but say what leaked."""
         try:
             with _s3_errors("abort_multipart_upload"):
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-        except ClientError as exc:
-            if _error_code(exc)[0] != "NoSuchUpload":
-                logger.warning("abort of multipart upload %s on %s failed: %s", upload_id, key, exc)
-        except Unavailable as exc:
+                try:
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                except ClientError as exc:
+                    if _error_code(exc)[0] != "NoSuchUpload":  # already gone is what we wanted
+                        raise
+        except (ClientError, Unavailable) as exc:
             logger.warning(
-                "abort of multipart upload %s on %s failed (sweep_orphans reclaims it): %s", upload_id, key, exc.detail
+                "abort of multipart upload %s on %s failed (sweep_orphans or stage_abort reclaims it): %s", upload_id, key, exc
             )
 
     def _abort_multipart_uploads(self, prefix: str, initiated_before: datetime | None = None) -> int:
