@@ -73,9 +73,13 @@ def test_client_killed_mid_upload_leaves_nothing(store):
 
 @pytest.mark.parametrize("configuration", ["embedded", "production"])
 def test_abandoned_session_expires_and_its_bytes_are_reclaimed(make_store, configuration):
-    live = make_store(configuration, upload_session_ttl_s=1, reaper_interval_s=0.2)
+    live = make_store(configuration, upload_session_ttl_s=1, reaper_interval_s=0.2, s3_part_bytes=5 * 1024 * 1024)
     name = unique_repo()
     token = live.mint("alice", f"acme/{name}:read,write")
+    # A write whose process died mid-upload: no session row, only bytes in storage.
+    orphan = live.context.storage.writer(digest_of(b"never finished"))
+    orphan.write(os.urandom(11 * 1024 * 1024))
+    assert leftover_writes(live.context.storage)
     with live.client(token) as client:
         location = client.post(f"/v1/repos/acme/{name}/uploads").headers["location"]
         assert client.patch(location, content=b"z" * 100_000, headers={"Content-Range": "0-99999"}).status_code == 202

@@ -77,6 +77,9 @@ def running_store(settings: Settings, configuration: str) -> Iterator[LiveStore]
 def settings_for(
     configuration: str, home: Path, *, pg_url: str | None, s3: S3Server | None, **overrides
 ) -> Settings:
+    # The reaper runs only when a test asks for it: moto dates every multipart upload
+    # in 2010, so a sweep would take a concurrent test's in-flight upload for an orphan.
+    overrides.setdefault("reaper_interval_s", 3600)
     if configuration == "embedded":
         return Settings(home=home, **overrides)
     use_test_aws_credentials()

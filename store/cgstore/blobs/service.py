@@ -324,14 +324,17 @@ def _forget_session(ctx: StoreContext, session_id: str) -> None:
 
 
 def reap_expired_sessions(ctx: StoreContext, now: dt.datetime | None = None) -> int:
-    """Reclaim the staged bytes of every expired session; returns how many were reaped."""
+    """Reclaim expired sessions' staged bytes and orphaned writes; returns how many were reaped."""
     now = now or utcnow()
     with ctx.db.session() as session:
         expired = list(session.scalars(select(UploadSession).where(UploadSession.expires_at <= now).limit(1000)))
     for found in expired:
         ctx.storage.stage_abort(StagedUpload(found.id, found.offset, found.storage_state))
         _forget_session(ctx, found.id)
-    return len(expired)
+    # Writes of a process that died mid-upload have no session row; a write idle
+    # for as long as a session may be is abandoned too.
+    orphans = ctx.storage.sweep_orphans(older_than_s=ctx.settings.upload_session_ttl_s)
+    return len(expired) + orphans
 
 
 def open_session_count(ctx: StoreContext) -> int:
