@@ -7,7 +7,7 @@ import pytest
 from tests.support import services
 from tests.support.live_store import CONFIGURATIONS, running_store, settings_for
 
-pytest_plugins: list[str] = []
+pytest_plugins: list[str] = ["tests.support.archives"]
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ compiles exactly three archives, and only when the cache is cold:
 
 The cache lives in ``<repo>/.test-cache/archives/<key>/`` where ``key``
 hashes the torch version and the sources that decide the bytes (this file,
-the mint, the archive reader, the metadata and key modules). A warm session
-compiles nothing. Other test modules (the store's publish tests) use the
+the mint, program serialization, device facts, the metadata and key
+modules). A warm session compiles nothing. Other test modules (the store's publish tests) use the
 fixtures ``pt2_archive``, ``pt2_archive_reweighted``,
 ``pt2_archive_second_mint``, ``pt2_report`` and the helper
 :func:`archive_report`.
@@ -51,13 +51,16 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 REPO = Path(__file__).resolve().parents[2]
 CACHE_ROOT = REPO / ".test-cache" / "archives"
 _CLIENT = REPO / "client" / "cgstore_client"
-# Every source whose change can change an archive's bytes or its reading.
+# Every source whose change can change an archive's bytes: the models here, the mint, the program
+# serialization and device facts it uses, and the metadata it writes. (The reader is not among them:
+# every test reads the cached archives afresh.)
 _KEY_SOURCES = (
     Path(__file__).resolve(),
     _CLIENT / "mint.py",
     _CLIENT / "metadata.py",
     _CLIENT / "keys.py",
-    *sorted((_CLIENT / "archive").glob("*.py")),
+    _CLIENT / "archive" / "graph.py",
+    _CLIENT / "archive" / "device.py",
 )
 
 ARCHIVE_A = "tiny.pt2"
@@ -237,6 +240,13 @@ def build_archives(directory: Path) -> dict[str, object]:
     return {"compile_seconds": seconds, "compiles": len(seconds)}
 
 
+def _prune_stale_builds(keep: str) -> None:
+    """Drop cached builds for other keys: their sources no longer exist in this checkout."""
+    for entry in CACHE_ROOT.iterdir():
+        if entry.is_dir() and entry.name != keep and not entry.name.endswith(".staging"):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def ensure_archives() -> BuiltArchives:
     """The cached archives for this key, building them first when the cache is cold."""
     key = cache_key()
@@ -250,6 +260,7 @@ def ensure_archives() -> BuiltArchives:
             (staging / _BUILD_RECORD).write_text(json.dumps(record, indent=1, sort_keys=True))
             shutil.rmtree(final, ignore_errors=True)
             staging.rename(final)
+            _prune_stale_builds(keep=key)
             record["cold"] = True
         else:
             record = {**json.loads((final / _BUILD_RECORD).read_text()), "cold": False}

@@ -125,7 +125,7 @@ def _tar_member_names(stream: BinaryIO, limits: Limits) -> list[str]:
                 names.append(member.name)
                 if len(names) >= limits.max_sniff_members:
                     break
-    except (tarfile.TarError, EOFError, OSError, lzma.LZMAError, zlib.error):
+    except (tarfile.TarError, EOFError, OSError, ValueError, lzma.LZMAError, zlib.error):
         pass  # a truncated or corrupt tail: the names read so far are all the evidence there is
     return names
 

@@ -195,9 +195,6 @@ class _CentralDirectory:
     entries: int
     size: int
     offset: int
-    # Where the central directory really starts in the file: differs from
-    # ``offset`` when bytes were prepended to the zip (which we refuse).
-    start: int
 
 
 def _read_tail(fh: BinaryIO, file_size: int) -> tuple[bytes, int]:
@@ -216,19 +213,30 @@ def _read_central_directory_bounds(fh: BinaryIO, file_size: int) -> _CentralDire
             break
         position = tail.rfind(_EOCD_SIGNATURE, 0, position)
     if position < 0:
-        raise ArchiveTruncated("no end-of-central-directory record: the zip is truncated or not a zip")
+        if _EOCD_SIGNATURE in tail:
+            raise ArchiveMalformed("bytes follow the end-of-central-directory record")
+        raise ArchiveTruncated("no end-of-central-directory record: the zip is truncated")
     (_, disk, cd_disk, _, entries, cd_size, cd_offset, _) = struct.unpack_from("<4sHHHHIIH", tail, position)
     eocd_at = tail_start + position
     if disk != 0 or cd_disk != 0:
         raise ArchiveMalformed("multi-disk (spanned) zips are not supported")
-    if entries == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
+    # A zip64 locator just before the end record means the zip64 record is
+    # authoritative (torch always writes one), whatever the 32-bit fields say.
+    if _has_zip64_locator(fh, eocd_at) or 0xFFFF == entries or 0xFFFFFFFF in (cd_size, cd_offset):
         entries, cd_size, cd_offset, eocd_at = _read_zip64_bounds(fh, eocd_at)
     if cd_offset + cd_size != eocd_at:
         raise ArchiveMalformed(
             "the central directory does not end where the end record starts "
             "(bytes prepended or appended to the zip, or a corrupt end record)"
         )
-    return _CentralDirectory(entries=entries, size=cd_size, offset=cd_offset, start=cd_offset)
+    return _CentralDirectory(entries=entries, size=cd_size, offset=cd_offset)
+
+
+def _has_zip64_locator(fh: BinaryIO, eocd_at: int) -> bool:
+    if eocd_at < _ZIP64_LOCATOR_SIZE:
+        return False
+    fh.seek(eocd_at - _ZIP64_LOCATOR_SIZE)
+    return fh.read(4) == _ZIP64_LOCATOR_SIGNATURE
 
 
 def _read_zip64_bounds(fh: BinaryIO, eocd_at: int) -> tuple[int, int, int, int]:
@@ -320,7 +328,7 @@ class SafeZip:
     """A vetted, read-only view of a zip file. Use as a context manager.
 
     Names are full entry names (``<root>/...``). Directory entries are vetted
-    but not listed in :attr:`files`.
+    but not listed in :attr:`names`.
     """
 
     def __init__(self, path: str | os.PathLike[str], limits: Limits = DEFAULT_LIMITS) -> None:
@@ -342,7 +350,8 @@ class SafeZip:
         self.close()
 
     def close(self) -> None:
-        self._zip.close() if hasattr(self, "_zip") else None
+        if hasattr(self, "_zip"):  # absent when opening failed before zipfile parsed the directory
+            self._zip.close()
         self._fh.close()
 
     # -- opening ----------------------------------------------------------------------
@@ -414,7 +423,7 @@ class SafeZip:
                 )
             data_start = info.header_offset + _LOCAL_HEADER_SIZE + name_length + extra_length
             data_end = data_start + info.compress_size
-            if data_end > self._central_directory.start:
+            if data_end > self._central_directory.offset:
                 raise ArchiveOverlappingEntries(f"entry {info.filename!r} runs into the central directory")
             spans.append((info.header_offset, data_end, info.filename))
         spans.sort()
@@ -488,7 +497,7 @@ class SafeZip:
         label = what or name
         info = self._infos[name]
         if info.file_size > max_bytes:
-            raise JsonTooLarge(f"{label} is {info.file_size} bytes (limit {max_bytes}); refused unread")
+            raise JsonTooLarge(f"{label} is {info.file_size} bytes (limit {max_bytes}); refused without parsing it")
         data = self.read_bytes(name, max_bytes, what=label)
         return parse_json_strict(data, max_depth=self.limits.max_json_depth, what=label)
 
