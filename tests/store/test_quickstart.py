@@ -65,3 +65,33 @@ def test_token_mint_cli_refuses_a_bad_grant(tmp_path):
     )
     assert result.returncode == 2
     assert "acme/*" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_db_upgrade_migrates_an_external_database_and_serve_refuses_a_stale_one(tmp_path):
+    from cgstore.core import migrate
+    from tests.support.services import postgres_database
+
+    with postgres_database("cgstore_cli") as url:
+        env = {**os.environ, "CGSTORE_HOME": str(tmp_path), "CGSTORE_DATABASE_URL": url, "CGSTORE_PORT": str(free_port())}
+        stale = subprocess.run([*CGSTORE, "serve"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert stale.returncode == 2 and "cgstore db upgrade" in stale.stderr
+        subprocess.run([*CGSTORE, "db", "upgrade"], env=env, cwd=tmp_path, check=True, capture_output=True)
+        assert migrate.is_current(url)
+
+
+def test_token_mint_platform_registers_the_principal(tmp_path):
+    from cgstore.core.db import Database
+    from cgstore.settings import Settings
+    from cgstore.tokens.service import TokenService
+
+    env = {**os.environ, "CGSTORE_HOME": str(tmp_path)}
+    token = subprocess.run(
+        [*CGSTORE, "token", "mint", "--sub", "platform-ci", "--platform", "--grant", "root/*:read,write"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    settings = Settings(home=tmp_path)
+    service = TokenService(Database(settings.resolved_database_url), settings)
+    claims = service.verify(token)
+    assert claims.plt and claims.sub == "platform-ci"
+    assert service.is_platform_principal("platform-ci")
+    service.can_write(claims, "root", "family-flux")  # raises unless the root gate opens
