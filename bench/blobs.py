@@ -10,18 +10,15 @@ Ours:
 - upload: the file streamed from disk by httpx in 1 MiB chunks, one monolithic
   ``PUT /v1/repos/bench/blobs/blobs/{digest}`` with Content-Length (the store
   hashes it on the way in and writes it to S3 as a multipart upload);
-- download: ``GET`` of the same blob following the 307 to the presigned URL,
-  streamed, blake3 computed over every byte and checked against the digest
-  (a verified download is the product). With httpx by default; with
-  ``--download-client urllib3`` the same GET (redirect followed) is read with
-  urllib3, boto3's own HTTP library. The store's part is identical either way
-  (a 307); the client's reader is not: httpx/h11 spend about twice urllib3's
-  CPU per byte, which on a loaded 2-core machine shows in the ratio.
+- download: ``cgstore_client.transfer.download_blob``, the verified download a
+  worker runs: the store answers 307 to a presigned URL, the client follows it
+  (without the cap-token), hashes every byte into a temp file and renames it into
+  place only when the blake3 digest and size match.
 
 Baseline (raw boto3, same bytes, different key, same moto_server):
 - upload: ``upload_file`` with the default ``TransferConfig``;
-- download: ``get_object`` streamed to a discarding sink: the same single
-  stream from moto that our download reads, without a hash. (``download_fileobj``
+- download: ``get_object`` streamed into a file: the same single stream from
+  moto that our download reads, without a hash. (``download_fileobj``
   is no fair baseline here: moto copies the whole object for every ranged GET,
   so boto3's parallel ranged download crawls at ~15 MiB/s.)
 Both boto3 and the store's S3 client send flexible checksums only when required
@@ -48,12 +45,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import blake3
 import boto3
 import httpx
-import urllib3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
+from cgstore_client.transfer import download_blob
 
 from _common import (
     MiB,
@@ -76,12 +72,6 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024, help="blob size in MiB (default 1024)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement (default 3)")
-    parser.add_argument(
-        "--download-client",
-        choices=["httpx", "urllib3"],
-        default="httpx",
-        help="HTTP library that reads our verified download (default httpx)",
-    )
     parser.add_argument("--download-reps", type=int, default=3, help="download pairs per repetition (default 3)")
     return parser.parse_args()
 
@@ -103,54 +93,21 @@ def our_upload(client: httpx.Client, path: Path, size: int, digest: str) -> None
         raise SystemExit(f"upload failed: {response.status_code} {response.text[:500]}")
 
 
-def our_download(client: httpx.Client, size: int, digest: str) -> None:
-    hasher = blake3.blake3()
-    received = 0
-    with client.stream("GET", f"/v1/repos/{OWNER}/{REPO}/blobs/{digest}", follow_redirects=True) as response:
-        if response.status_code != 200:
-            response.read()
-            raise SystemExit(f"download failed: {response.status_code} {response.text[:500]}")
-        if not response.history or response.history[0].status_code != 307:
-            raise SystemExit("download was not redirected to a presigned URL (redirect_downloads off?)")
-        for chunk in response.iter_raw():  # httpcore's 64 KiB reads: re-chunking only costs copies
-            hasher.update(chunk)
-            received += len(chunk)
-    actual = "blake3:" + hasher.hexdigest()
-    if received != size or actual != digest:
-        raise SystemExit(f"download NOT verified: {received} bytes, {actual} != {digest}")
+def our_download(base_url: str, token: str, size: int, digest: str, dest: Path) -> None:
+    """The client's verified download: 307 followed, bytes hashed into a temp file, renamed on a match."""
+    download_blob(base_url, token, OWNER, REPO, digest, dest, expected_size=size)
+    dest.unlink()
 
 
-def our_download_urllib3(pool, base_url: str, token: str, size: int, digest: str) -> None:
-    hasher = blake3.blake3()
-    received = 0
-    response = pool.request(
-        "GET",
-        f"{base_url}/v1/repos/{OWNER}/{REPO}/blobs/{digest}",
-        headers={"Authorization": f"Bearer {token}"},
-        preload_content=False,
-        redirect=True,  # Authorization is dropped on the cross-origin hop (urllib3's default)
-    )
-    try:
-        if response.status != 200:
-            raise SystemExit(f"download failed: {response.status} {response.read()[:500]!r}")
-        history = response.retries.history if response.retries else ()
-        if not history or history[0].status != 307:
-            raise SystemExit("download was not redirected to a presigned URL (redirect_downloads off?)")
-        for chunk in response.stream(MiB):
-            hasher.update(chunk)
-            received += len(chunk)
-    finally:
-        response.release_conn()
-    actual = "blake3:" + hasher.hexdigest()
-    if received != size or actual != digest:
-        raise SystemExit(f"download NOT verified: {received} bytes, {actual} != {digest}")
-
-
-def boto_download(s3, bucket: str, key: str, size: int) -> None:
+def boto_download(s3, bucket: str, key: str, size: int, dest: Path) -> None:
+    """Raw boto3 GET of the same bytes into a file: the same single stream from moto, no hash."""
     body = s3.get_object(Bucket=bucket, Key=key)["Body"]
     received = 0
-    for chunk in body.iter_chunks(MiB):
-        received += len(chunk)
+    with open(dest, "wb") as out:
+        for chunk in body.iter_chunks(MiB):
+            out.write(chunk)
+            received += len(chunk)
+    dest.unlink()
     if received != size:
         raise SystemExit(f"baseline download short: {received} of {size}")
 
@@ -196,14 +153,6 @@ def main() -> None:
             timeout = httpx.Timeout(300.0, connect=10.0)
             headers = {"Authorization": f"Bearer {token}"}
 
-            pool = urllib3.PoolManager(timeout=urllib3.Timeout(connect=10.0, read=300.0))
-
-            def ours_down(size: int, digest: str) -> None:
-                if args.download_client == "urllib3":
-                    our_download_urllib3(pool, stack.base_url, token, size, digest)
-                else:
-                    our_download(client, size, digest)
-
             def measure(rep: int, name: str, run) -> None:
                 with timed(watch) as t:
                     run()
@@ -226,8 +175,8 @@ def main() -> None:
                         ("boto_up", lambda: s3.upload_file(str(path), stack.bucket, boto_key, Config=TransferConfig())),
                     ]
                     downloads = [
-                        ("ours_down", lambda: ours_down(size, digest)),
-                        ("boto_down", lambda: boto_download(s3, stack.bucket, boto_key, size)),
+                        ("ours_down", lambda: our_download(stack.base_url, token, size, digest, Path(scratch) / "ours.bin")),
+                        ("boto_down", lambda: boto_download(s3, stack.bucket, boto_key, size, Path(scratch) / "boto.bin")),
                     ]
                     for name, run in uploads if rep % 2 == 0 else reversed(uploads):
                         measure(rep, name, run)

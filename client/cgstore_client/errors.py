@@ -29,3 +29,24 @@ class DigestInvalid(CgstoreError, ValueError):
 
 class LaneError(CgstoreError, ValueError):
     """Kernel-lane measurements or a device size that the fit rule cannot use."""
+
+
+class TransferError(CgstoreError):
+    """A blob transfer that did not complete: the server refused, or the connection failed.
+
+    ``status`` and ``code`` carry the HTTP status and protocol error code when the
+    server answered; ``retryable`` says whether trying again can help.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is None or self.status == 503
+
+
+class DownloadCorrupt(CgstoreError):
+    """Downloaded bytes whose blake3 digest or size differ from what was asked for; nothing was kept."""
