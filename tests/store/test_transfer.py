@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
 import os
+import threading
 
 import blake3
 import pytest
@@ -51,4 +53,44 @@ def test_unreadable_blob_is_a_typed_miss(store, uploaded, tmp_path):
         download_blob(store.base_url, stranger, "acme", name, digest, tmp_path / "model.pt2")
     assert refused.value.status == 404 and refused.value.code == "BLOB_UNKNOWN"
     assert not refused.value.retryable
+    assert list(tmp_path.iterdir()) == []
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """A tiny origin: /redirect answers 307 to /short; /short promises 1000 bytes and sends 500."""
+
+    seen_headers: list[dict[str, str]] = []
+
+    def do_GET(self) -> None:
+        type(self).seen_headers.append(dict(self.headers))
+        if self.path.startswith("/v1/"):
+            self.send_response(307)
+            self.send_header("Location", f"http://127.0.0.1:{self.server.server_port}/short?X-Amz-Signature=x")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        else:
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b"x" * 500)
+            self.close_connection = True
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_token_stays_home_and_a_short_body_is_refused(tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(TransferError, match="early"):
+            download_blob(
+                f"http://127.0.0.1:{server.server_port}", "secret-token", "acme", "m", "blake3:" + "0" * 64,
+                tmp_path / "model.pt2",
+            )
+    finally:
+        server.shutdown()
+    to_store, to_storage = _Recorder.seen_headers
+    assert to_store["Authorization"] == "Bearer secret-token"
+    assert "Authorization" not in to_storage
     assert list(tmp_path.iterdir()) == []
