@@ -10,6 +10,7 @@ a failed or aborted write leaves nothing at all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -34,10 +35,11 @@ from cgstore.core.errors import (
     TooLarge,
     Unavailable,
 )
-from cgstore.storage import StagedUpload
+from cgstore.storage import StagedUpload, open_storage
+from cgstore.storage import s3 as s3_module
 from cgstore.storage.fs import FileStorage
 from cgstore.storage.hashing import READ_CHUNK_BYTES, blake3_digest, blob_key, parse_digest
-from cgstore.storage.s3 import S3Storage, _s3_errors
+from cgstore.storage.s3 import COMPLETE_READ_TIMEOUT_S, S3Storage, _PartBuffers, _s3_errors, _ViewsReader
 from tests.support.services import free_port, moto_s3_server, stop_process, use_test_aws_credentials
 from tests.support.storage_fixtures import (
     S3_TEST_CONCURRENCY,
@@ -559,10 +561,18 @@ def test_other_client_errors_are_not_disguised_as_outages():
 
 # -- orphans of dead processes ----------------------------------------------------------------------------
 
+def start_multipart_write(storage, data: bytes):
+    """A writer with its multipart upload open on S3 (one part sent, more bytes gathered)."""
+    writer = storage.writer(blake3_digest(data), len(data))
+    for piece in chunked(data[: PART + MiB], MiB):
+        writer.write(piece)
+    return writer
+
+
 def test_sweep_orphans_reclaims_writes_of_dead_processes(storage_case, big_data):
-    orphan = storage_case.storage.writer(blake3_digest(big_data))  # its process "dies" mid-write
-    for piece in chunked(big_data[: PART + MiB], MiB):
-        orphan.write(piece)
+    # The dead process is another storage over the same store: its writes are nobody's.
+    dead = open_storage(storage_case.settings)
+    orphan = start_multipart_write(dead, big_data)  # its process "dies" mid-write
     assert storage_case.keys("tmp") or storage_case.pending_multipart()
     if storage_case.kind == "fs":
         # A young write is not an orphan. (moto reports every multipart upload as
@@ -572,6 +582,176 @@ def test_sweep_orphans_reclaims_writes_of_dead_processes(storage_case, big_data)
     assert storage_case.storage.sweep_orphans(0) == 1
     orphan.abort()  # still safe
     assert_nothing_stored(storage_case, blake3_digest(big_data))
+
+
+def test_s3_sweep_spares_the_writes_in_flight_of_its_own_process(s3_server, tmp_path, big_data):
+    """moto says every upload was initiated in 2010: only knowing our own writers keeps them alive."""
+    case = build_storage_case("s3", tmp_path, s3_server)
+    live = start_multipart_write(case.storage, big_data)
+    dead_data = os.urandom(2 * PART)
+    orphan = start_multipart_write(S3Storage.from_settings(case.settings), dead_data)  # a dead process's
+    assert len(case.pending_multipart()) == 2
+
+    assert case.storage.sweep_orphans(0) == 1
+    assert case.pending_multipart() == [case.storage.blob_key(blake3_digest(big_data))]
+    assert case.storage.sweep_orphans(0) == 0  # every tick, not just the first
+    for piece in chunked(big_data[PART + MiB :], MiB):
+        live.write(piece)
+    assert live.commit() == len(big_data)
+    orphan.abort()  # its upload is gone already; this only stops its threads
+    assert_stored_once(case, big_data)
+
+
+def test_s3_sweep_reclaims_a_writer_its_own_process_abandoned(s3_server, tmp_path, big_data, monkeypatch):
+    """Ours, but idle for longer than the threshold and the grace: abandoned (a stuck request)."""
+    monkeypatch.setattr(s3_module, "LIVE_WRITER_GRACE_S", 1.0)  # instead of waiting 5 s
+    case = build_storage_case("s3", tmp_path, s3_server)
+    abandoned = start_multipart_write(case.storage, big_data)
+    assert case.storage.sweep_orphans(0) == 0  # idle for less than the grace
+    deadline = time.monotonic() + 15
+    while (swept := case.storage.sweep_orphans(0)) == 0:  # once its part is uploaded and the grace over
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert swept == 1
+    abandoned.abort()
+    assert_nothing_stored(case, blake3_digest(big_data))
+
+
+def test_s3_sweep_racing_the_creation_of_an_upload_spares_it(s3_server, tmp_path, big_data):
+    """A sweep listing between CreateMultipartUpload's answer and the writer noting its id."""
+    case = build_storage_case("s3", tmp_path, s3_server)
+    swept = []
+
+    def sweep_before_the_writer_sees_the_answer(**_) -> None:
+        swept.append(case.storage.sweep_orphans(0))
+
+    case.storage.client.meta.events.register(
+        "after-call.s3.CreateMultipartUpload", sweep_before_the_writer_sees_the_answer
+    )
+    assert write_blob(case.storage, big_data) == len(big_data)
+    assert swept == [0]
+    assert_stored_once(case, big_data)
+
+
+# -- completing multipart uploads --------------------------------------------------------------------
+
+def complete_hook(case: StorageCase, action: str) -> dict[str, list]:
+    """Just before the storage's own CompleteMultipartUpload goes out, act on its upload
+    out-of-band with a plain boto3 client:
+
+    - "complete": an earlier attempt completed it and its answer was lost. moto answers a
+      repeated complete by itself while the object it made is untouched, so the object is
+      then rewritten with the same bytes (as an identical concurrent write would): moto
+      no longer knows the upload, like S3 after a completion.
+    - "abort": the upload vanished (a sweep of another process, a lifecycle rule).
+
+    Returns what happened: upload ids acted on, and the error codes the storage's own
+    complete got back.
+    """
+    raw, seen = case.s3.client(), {"acted": [], "errors": []}
+
+    def out_of_band(params, **_) -> None:
+        upload = {"Bucket": params["Bucket"], "Key": params["Key"], "UploadId": params["UploadId"]}
+        if action == "complete":
+            raw.complete_multipart_upload(**upload, MultipartUpload=params["MultipartUpload"])
+            body = raw.get_object(Bucket=params["Bucket"], Key=params["Key"])["Body"].read()
+            raw.put_object(Bucket=params["Bucket"], Key=params["Key"], Body=body)
+        else:
+            raw.abort_multipart_upload(**upload)
+        seen["acted"].append(params["UploadId"])
+
+    def answered(parsed, **_) -> None:
+        if "Error" in parsed:
+            seen["errors"].append(parsed["Error"].get("Code"))
+
+    for client in (case.storage.client, case.storage._complete_client):
+        client.meta.events.register("before-parameter-build.s3.CompleteMultipartUpload", out_of_band)
+        client.meta.events.register("after-call.s3.CompleteMultipartUpload", answered)
+    return seen
+
+
+def test_s3_complete_already_done_by_an_earlier_attempt_succeeds(s3_server, tmp_path, big_data):
+    case = build_storage_case("s3", tmp_path, s3_server)
+    seen = complete_hook(case, "complete")
+    assert write_blob(case.storage, big_data) == len(big_data)
+    assert len(seen["acted"]) == 1
+    assert seen["errors"]  # the storage's own complete did fail (moto: 500, S3: NoSuchUpload)
+    assert_stored_once(case, big_data)
+
+
+def test_s3_complete_of_a_vanished_upload_is_unavailable_and_leaves_nothing(s3_server, tmp_path, big_data):
+    case = build_storage_case("s3", tmp_path, s3_server)
+    seen = complete_hook(case, "abort")
+    with pytest.raises(Unavailable):
+        write_blob(case.storage, big_data)
+    assert len(seen["acted"]) == 1 and seen["errors"]
+    assert_nothing_stored(case, blake3_digest(big_data))
+
+
+class SlowCompleteProxy:
+    """A TCP relay to moto_server that holds back every answer to CompleteMultipartUpload
+    (``POST <key>?uploadId=…``) by ``delay_s`` and counts those requests: S3 assembling a
+    big object slowly, as seen from the client."""
+
+    def __init__(self, endpoint_url: str, delay_s: float) -> None:
+        self._upstream = ("127.0.0.1", int(endpoint_url.rsplit(":", 1)[1]))
+        self._delay_s = delay_s
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint_url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.completes = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(self._upstream)
+            answer_late = threading.Event()
+            threading.Thread(target=self._relay, args=(client, upstream, answer_late, True), daemon=True).start()
+            threading.Thread(target=self._relay, args=(upstream, client, answer_late, False), daemon=True).start()
+
+    def _relay(self, source: socket.socket, sink: socket.socket, answer_late: threading.Event, requests: bool) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if requests and data.startswith(b"POST ") and b"uploadId=" in data.split(b"\r\n", 1)[0]:
+                    self.completes += 1
+                    answer_late.set()
+                elif not requests and answer_late.is_set():
+                    answer_late.clear()
+                    time.sleep(self._delay_s)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+
+def test_s3_slow_complete_is_waited_for_not_retried(s3_server, tmp_path, big_data):
+    """A complete slower than the read timeout must not be cut short and sent again."""
+    case = build_storage_case("s3", tmp_path, s3_server)
+    proxy = SlowCompleteProxy(s3_server.endpoint_url, delay_s=2.5)
+    try:
+        slow = S3Storage(
+            case.storage.bucket,
+            prefix=case.storage.prefix,
+            endpoint_url=proxy.endpoint_url,
+            region=s3_server.region,
+            part_bytes=PART,
+            read_timeout_s=1.0,
+        )
+        assert COMPLETE_READ_TIMEOUT_S > 2.5
+        assert write_blob(slow, big_data) == len(big_data)
+        assert proxy.completes == 1
+    finally:
+        proxy.close()
+    assert_stored_once(case, big_data)
 
 
 # -- memory ----------------------------------------------------------------------------------------------
@@ -602,10 +782,123 @@ def test_memory_stays_bounded_for_a_256_mib_blob(storage_case):
     finally:
         tracemalloc.stop()
     assert "blake3:" + read_back.hexdigest() == digest
-    # By design S3 holds (concurrency + 1) part buffers (bytearray growth may
-    # over-allocate by 1/8) plus a chunk or two; fs holds a chunk or two.
+    # By design an S3 write uses (concurrency + 1) pooled part buffers, plus its
+    # first part's chunks until it outgrows one PUT, plus a chunk or two; fs
+    # holds a chunk or two.
     if storage_case.kind == "s3":
-        bound = (S3_TEST_CONCURRENCY + 1) * PART * 5 // 4 + 4 * MiB
+        bound = (S3_TEST_CONCURRENCY + 2) * PART + 4 * MiB
     else:
         bound = 6 * MiB
     assert peak < bound, f"peak {peak / MiB:.1f} MiB for a {size // MiB} MiB blob (bound {bound / MiB:.1f})"
+
+
+def generated_stream(seed: int, size: int, block: bytes) -> Iterator[bytes]:
+    """``size`` bytes as fresh chunks of up to 1 MiB, like a request body: distinct per
+    ``seed``, and none kept alive by the caller."""
+    for offset in range(0, size, MiB):
+        chunk = seed.to_bytes(8, "big") + offset.to_bytes(8, "big") + block[16:]
+        yield chunk[: min(MiB, size - offset)]
+
+
+def write_generated(storage, seed: int, size: int, block: bytes) -> int:
+    hasher = blake3.blake3()
+    for chunk in generated_stream(seed, size, block):
+        hasher.update(chunk)
+    with storage.writer("blake3:" + hasher.hexdigest(), size) as writer:
+        for chunk in generated_stream(seed, size, block):
+            writer.write(chunk)
+        return writer.commit()
+
+
+def test_s3_part_buffers_are_pooled_reused_and_bounded(s3_server, tmp_path):
+    """Part buffers come from the storage's pool: sequential writes reuse the same few, and
+    concurrent writes never hold more than the pool's bound (they wait for one instead)."""
+    case = build_storage_case("s3", tmp_path, s3_server)
+    storage, buffers = case.storage, case.storage._buffers
+    assert buffers.limit == max(8, 2 * S3_TEST_CONCURRENCY)
+    most_allocated, done = 0, threading.Event()
+
+    def watch_pool() -> None:
+        nonlocal most_allocated
+        while not done.is_set():
+            most_allocated = max(most_allocated, buffers.allocated)
+            time.sleep(0.001)
+
+    block = os.urandom(MiB)
+    watcher = threading.Thread(target=watch_pool)
+    watcher.start()
+    tracemalloc.start()
+    try:
+        # Sequential: one writer needs at most concurrency + 1 buffers, and the
+        # next writers reuse them; traced memory does not grow with the count.
+        current = []
+        for seed in range(8):
+            assert write_generated(storage, seed, int(2.5 * PART), block) == int(2.5 * PART)
+            current.append(tracemalloc.get_traced_memory()[0])
+            assert buffers.allocated <= S3_TEST_CONCURRENCY + 1
+        assert current[-1] - current[0] < MiB, [round(c / MiB, 1) for c in current]
+        assert current[-1] <= buffers.allocated * PART + 2 * MiB
+
+        # Concurrent: 6 writers want 6 × (concurrency + 1) = 24 buffers; the pool has 8.
+        tracemalloc.reset_peak()
+        writers, errors = 6, []
+
+        def write(seed: int) -> None:
+            try:
+                write_generated(storage, seed, int(3.5 * PART), block)
+            except BaseException as exc:  # reported in the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=write, args=(100 + i,)) for i in range(writers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        done.set()
+        watcher.join()
+    assert errors == []
+    assert most_allocated <= buffers.limit
+    # The pool, plus each writer's first part (kept as its chunks until it outgrows
+    # one PUT) and a chunk in hand; without the pool it would be 6 × 4 parts.
+    bound = buffers.limit * PART + writers * (PART + 2 * MiB) + 8 * MiB
+    assert peak < bound, f"peak {peak / MiB:.1f} MiB (bound {bound / MiB:.1f})"
+    assert case.leftovers() == NOTHING_LEFT
+
+
+def test_part_buffers_wait_for_a_release_and_give_up_in_time():
+    buffers = _PartBuffers(limit=2, wait_s=1.0)
+    first, second = buffers.acquire(10), buffers.acquire(10)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(buffers.acquire(10)))
+    waiter.start()
+    time.sleep(0.2)
+    assert got == []  # both lent: it waits
+    buffers.release(first)
+    waiter.join(timeout=5)
+    assert got[0] is first  # handed over, not reallocated
+    started = time.monotonic()
+    with pytest.raises(Unavailable):  # nothing comes back: it gives up after wait_s
+        buffers.acquire(10)
+    assert 0.9 < time.monotonic() - started < 5
+    buffers.release(second)
+    bigger = buffers.acquire(20)  # an idle buffer of another size makes room
+    assert len(bigger) == 20 and buffers.allocated == 2
+
+
+def test_views_reader_reads_across_views_and_rewinds():
+    data = os.urandom(1000)
+    backing = bytearray(data)
+    views = [memoryview(backing)[0:1], memoryview(backing)[1:400], memoryview(data)[400:1000]]
+    reader = _ViewsReader(views)
+    assert len(reader) == 1000
+    assert b"".join(iter(lambda: reader.read(64), b"")) == data
+    assert reader.read(10) == b""
+    assert reader.seek(0) == 0 and reader.read() == data
+    reader.seek(-3, 2)
+    assert reader.tell() == 997 and reader.read(100) == data[997:]
+    reader.seek(399)
+    assert reader.read(2) == data[399:401]
+    assert _ViewsReader([]).read() == b""

@@ -175,13 +175,18 @@ def body_chunks(request: Request, batch_bytes: int = 1 << 20) -> Iterator[bytes]
     stream = request.stream()
 
     async def next_batch() -> bytes | None:
-        batch = bytearray()
-        while len(batch) < batch_bytes:
+        chunks, gathered = [], 0
+        while gathered < batch_bytes:
             try:
-                batch += await stream.__anext__()
+                chunk = await stream.__anext__()
             except StopAsyncIteration:
                 break
-        return bytes(batch) if batch else None
+            chunks.append(chunk)
+            gathered += len(chunk)
+        # One copy into an exactly sized, immutable batch (none for a lone
+        # chunk): writers may then keep batches by reference (the S3 writer
+        # does while a blob may still fit one PUT), and nothing is regrown.
+        return (chunks[0] if len(chunks) == 1 else b"".join(chunks)) if gathered else None
 
     while (batch := anyio.from_thread.run(next_batch)) is not None:
         yield batch
