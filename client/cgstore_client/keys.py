@@ -83,6 +83,29 @@ __all__ = [
 DIGEST_RE = re.compile(r"\Ablake3:[0-9a-f]{64}\Z")
 
 
+def strict_json_loads(text: str | bytes) -> Any:
+    """Decode JSON refusing what two parsers could read differently: duplicate keys, NaN/Infinity.
+
+    Raises ``ValueError`` (``json.JSONDecodeError`` included) or ``RecursionError``.
+    """
+    return json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            # Parsers disagree on which copy of a duplicated key wins; a record
+            # that means two things to two readers is refused.
+            raise ValueError(f"duplicate key {key!r}")
+        document[key] = value
+    return document
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
 def canonical_json(doc: object, *, hashed: bool = True) -> bytes:
     """Serialize ``doc`` the one way every implementation agrees on.
 

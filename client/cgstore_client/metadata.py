@@ -77,7 +77,7 @@ from types import MappingProxyType
 from typing import Any
 
 from cgstore_client.errors import MetadataError
-from cgstore_client.keys import canonical_json, is_sm
+from cgstore_client.keys import canonical_json, is_sm, strict_json_loads
 
 __all__ = [
     "ACTIVATION_SPIKE_FRACTION",
@@ -597,23 +597,10 @@ def _parse_fit(value: object) -> FitBlock | None:
 def parse_metadata_json(data: bytes | str) -> CompiledGraphMetadata:
     """Decode ``metadata.json`` bytes strictly (no NaN, no duplicate keys) and parse them."""
     try:
-        document = json.loads(data, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
+        document = strict_json_loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise MetadataError(f"metadata.json is not valid JSON: {exc}") from None
     return parse_metadata(document)
-
-
-def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    document: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in document:
-            raise ValueError(f"duplicate key {key!r}")
-        document[key] = value
-    return document
-
-
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")
 
 
 def build_metadata(

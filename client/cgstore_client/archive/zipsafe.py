@@ -32,7 +32,6 @@ entry's expanded size.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import stat
@@ -57,6 +56,7 @@ from cgstore_client.archive.errors import (
     JsonTooDeep,
     JsonTooLarge,
 )
+from cgstore_client.keys import strict_json_loads
 
 __all__ = ["DEFAULT_LIMITS", "Limits", "SafeZip", "check_json_depth", "parse_json_strict"]
 
@@ -138,21 +138,6 @@ _DRIVE_LETTER = re.compile(r"\A[A-Za-z]:")
 # --------------------------------------------------------------------------
 
 
-def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    document: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in document:
-            # Two parsers may keep different copies of a duplicated key; a
-            # record that means two things to two readers is refused.
-            raise ValueError(f"duplicate key {key!r}")
-        document[key] = value
-    return document
-
-
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")
-
-
 def check_json_depth(document: object, max_depth: int, what: str) -> None:
     """Raise :class:`JsonTooDeep` when ``document`` nests deeper than ``max_depth`` (iteratively: no recursion)."""
     stack: list[tuple[object, int]] = [(document, 1)]
@@ -176,7 +161,7 @@ def parse_json_strict(data: bytes, *, max_depth: int, what: str) -> Any:
     except UnicodeDecodeError as exc:
         raise JsonInvalid(f"{what} is not UTF-8: {exc}") from None
     try:
-        document = json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
+        document = strict_json_loads(text)
     except RecursionError:
         raise JsonTooDeep(f"{what} nests deeper than {max_depth} levels") from None
     except ValueError as exc:
