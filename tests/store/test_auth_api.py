@@ -114,6 +114,14 @@ def test_token_for_another_repo_reads_a_miss_and_cannot_write(store, owned):
     assert audited(store, "BLOB_UNKNOWN", name)  # the hidden denial is audited, though it looks like a miss
 
 
+def test_a_plain_miss_is_not_audited_as_a_denial(store, owned):
+    name, writer = owned
+    absent = "blake3:" + "1" * 64
+    with store.client(writer) as client:
+        assert client.get(f"/v1/repos/acme/{name}/blobs/{absent}").status_code == 404
+    assert not audited(store, "BLOB_UNKNOWN", absent)
+
+
 def test_read_only_token_cannot_write(store, owned):
     name, _ = owned
     reader = store.mint("rita", f"acme/{name}:read")

@@ -36,7 +36,6 @@ from cgstore.core.errors import (
     SizeInvalid,
     TooLarge,
 )
-from cgstore.core.http import hidden_miss
 from cgstore.repos.models import Repo
 from cgstore.repos.service import readable_repo, writable_repo
 from cgstore.storage import BlobWriter, StagedUpload
@@ -63,9 +62,9 @@ def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str
     """The blob linked in ``owner/repo``, if the caller may read it; else ``BLOB_UNKNOWN``."""
     validate_digest(digest)
     with ctx.db.session() as session:
-        found = readable_repo(session, ctx.tokens, claims, owner, repo)
-        if found is None:
-            raise hidden_miss(BlobUnknown, "blob unknown to this repo", digest=digest)
+        found = readable_repo(
+            session, ctx.tokens, claims, owner, repo, BlobUnknown, "blob unknown to this repo", digest=digest
+        )
         size = session.scalar(
             select(Blob.size)
             .join(RepoBlob, RepoBlob.digest == Blob.digest)

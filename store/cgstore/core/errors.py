@@ -16,6 +16,8 @@ class StoreError(Exception):
 
     code: ClassVar[str] = "INTERNAL"
     status: ClassVar[int] = 500
+    #: A miss that answers a read the caller may not make: looks like any miss, audited as a denial.
+    hides_denial: bool = False
 
     def __init__(self, message: str, **detail: Any) -> None:
         super().__init__(message)
@@ -98,6 +100,13 @@ class Unavailable(StoreError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+def hidden_miss(err_type: type[StoreError], message: str, **detail: Any) -> StoreError:
+    """A miss identical to a real one on the wire, marked so it is audited as a denial."""
+    err = err_type(message, **detail)
+    err.hides_denial = True
+    return err
 
 
 def error_body(err: StoreError) -> dict[str, Any]:

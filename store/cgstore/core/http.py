@@ -48,7 +48,7 @@ def error_response(err: StoreError) -> JSONResponse:
 
 
 def _is_denial(err: StoreError) -> bool:
-    return err.status in (401, 403) or getattr(err, "hides_denial", False)
+    return err.status in (401, 403) or err.hides_denial
 
 
 async def _audit_denial(request: Request, err: StoreError) -> None:
@@ -153,15 +153,6 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if start >= size or (last != "" and int(last) < start):
         raise RangeInvalid("range not satisfiable", range=header, size=size)
     return start, end
-
-
-def hidden_miss(err_type: type[StoreError], message: str, **detail: Any) -> StoreError:
-    """A 404 that answers a read the caller may not make: identical to a real miss, but audited."""
-    err = err_type(message, **detail)
-    err.hides_denial = True  # type: ignore[attr-defined]
-    return err
-
-
 
 
 def body_chunks(request: Request, batch_bytes: int = 1 << 20) -> Iterator[bytes]:

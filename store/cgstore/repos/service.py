@@ -12,6 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
+from cgstore.core.errors import StoreError, hidden_miss
 from cgstore.core.names import validate_owner, validate_repo
 from cgstore.repos.models import Repo
 from cgstore.tokens.service import Claims, TokenService
@@ -21,13 +22,29 @@ def find_repo(session: Session, owner: str, name: str) -> Repo | None:
     return session.scalar(select(Repo).where(Repo.owner == owner, Repo.name == name))
 
 
-def readable_repo(session: Session, tokens: TokenService, claims: Claims, owner: str, name: str) -> Repo | None:
-    """The repo if it exists and ``claims`` may read it; None otherwise (indistinguishably)."""
+def readable_repo(
+    session: Session,
+    tokens: TokenService,
+    claims: Claims,
+    owner: str,
+    name: str,
+    miss: type[StoreError],
+    message: str,
+    **detail,
+) -> Repo:
+    """The repo if it exists and ``claims`` may read it; otherwise ``miss(message)``.
+
+    Both failures raise the identical error; only the unreadable one is marked
+    (``hidden_miss``) so that it is audited as the denial it is.
+    """
     validate_owner(owner)
     validate_repo(name)
     if not tokens.can_read(claims, owner, name):
-        return None
-    return find_repo(session, owner, name)
+        raise hidden_miss(miss, message, **detail)
+    repo = find_repo(session, owner, name)
+    if repo is None:
+        raise miss(message, **detail)
+    return repo
 
 
 def writable_repo(session: Session, tokens: TokenService, claims: Claims, owner: str, name: str) -> Repo:
