@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import blake3
 from cgstore_client.keys import is_digest
 from sqlalchemy import delete, func, select, update
 
@@ -38,7 +37,8 @@ from cgstore.core.errors import (
 )
 from cgstore.repos.models import Repo
 from cgstore.repos.service import readable_repo, writable_repo
-from cgstore.storage import BlobWriter, StagedUpload
+from cgstore.storage import StagedUpload
+from cgstore.storage.hashing import VerifyOnlyWriter
 from cgstore.tokens.service import Claims
 
 MAX_MISSING_QUERY = 1024
@@ -104,30 +104,6 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
 
 # -- monolithic upload ----------------------------------------------------------------
 
-class _VerifyOnlyWriter(BlobWriter):
-    """Hashes bytes of a blob that is already stored, without writing them again."""
-
-    def __init__(self, digest: str, size: int | None) -> None:
-        self._digest, self._size = digest, size
-        self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        self._received = 0
-
-    def write(self, chunk: bytes) -> None:
-        self._hasher.update(chunk)
-        self._received += len(chunk)
-
-    def commit(self) -> int:
-        if self._size is not None and self._received != self._size:
-            raise SizeInvalid("body size differs from the declared size", declared=self._size, received=self._received)
-        actual = "blake3:" + self._hasher.hexdigest()
-        if actual != self._digest:
-            raise DigestInvalid("bytes do not match the digest", expected=self._digest, actual=actual)
-        return self._received
-
-    def abort(self) -> None:
-        pass
-
-
 def upload(
     ctx: StoreContext,
     claims: Claims,
@@ -143,17 +119,14 @@ def upload(
     with ctx.db.session() as session:
         target = writable_repo(session, ctx.tokens, claims, owner, repo)
         already_stored = session.get(Blob, digest) is not None
-    writer = _VerifyOnlyWriter(digest, declared_size) if already_stored else ctx.storage.writer(digest, declared_size)
+    # The writer checks size (as soon as too many bytes arrive), the store's limit and the digest.
+    if already_stored:
+        writer = VerifyOnlyWriter(digest, declared_size, ctx.settings.max_blob_bytes)
+    else:
+        writer = ctx.storage.writer(digest, declared_size)
     with writer:
-        received = 0
         for chunk in chunks:
-            received += len(chunk)
-            if declared_size is not None and received > declared_size:
-                raise SizeInvalid("body longer than Content-Length", declared=declared_size)
-            _check_size_limit(ctx, received)
             writer.write(chunk)
-        if declared_size is not None and received != declared_size:
-            raise SizeInvalid("body shorter than Content-Length", declared=declared_size, received=received)
         size = writer.commit()
     _link(ctx, claims, target, digest, size, action="blob.upload")
     return size

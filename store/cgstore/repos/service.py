@@ -49,9 +49,7 @@ def readable_repo(
 
 def writable_repo(session: Session, tokens: TokenService, claims: Claims, owner: str, name: str) -> Repo:
     """The repo ``claims`` may write, created (visibility ``owner``) on the first write."""
-    validate_owner(owner)
-    validate_repo(name)
-    tokens.can_write(claims, owner, name)
+    tokens.can_write(claims, owner, name)  # validates both names first
     repo = find_repo(session, owner, name)
     if repo is None:
         insert_ignoring_conflicts(
