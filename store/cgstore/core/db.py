@@ -71,6 +71,10 @@ def _tune_sqlite(dbapi_connection, _record) -> None:
     cursor.close()
 
 
+class ReadOnlyDatabase(Exception):
+    """The database answers but refuses writes (reported by readiness, never to a client)."""
+
+
 class Database:
     """The engine plus a session factory; one per app."""
 
@@ -91,8 +95,20 @@ class Database:
                 raise
 
     def ping(self) -> None:
+        """Raise unless the database answers *and accepts writes*.
+
+        A read-only database (a standby, ``default_transaction_read_only``, a
+        SQLite file opened read-only) answers ``SELECT 1`` but would fail every
+        upload, so it is not ready.
+        """
         with self.engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
+            if conn.dialect.name == "postgresql":
+                # No write needed: PostgreSQL says so, without locks or dead rows.
+                if conn.exec_driver_sql("SHOW transaction_read_only").scalar() == "on":
+                    raise ReadOnlyDatabase("the database is read-only")
+            else:
+                # SQLite has no such flag: a no-op write, rolled back when the block exits.
+                conn.exec_driver_sql("UPDATE alembic_version SET version_num = version_num")
 
     def dispose(self) -> None:
         self.engine.dispose()
