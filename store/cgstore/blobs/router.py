@@ -10,7 +10,7 @@ from cgstore.blobs import service
 from cgstore.blobs.schemas import MissingAnswer, MissingQuery
 from cgstore.core.auth import require_claims
 from cgstore.core.context import StoreContext, get_context
-from cgstore.core.http import body_chunks, declared_length, parse_range, read_json
+from cgstore.core.http import body_chunks, declared_length, parse_content_range, parse_range, read_json
 from cgstore.tokens.service import Claims
 
 router = APIRouter(prefix="/v1/repos/{owner}/{repo}", tags=["blobs"])
@@ -110,7 +110,7 @@ async def upload_chunk(
     owner: str, repo: str, session_id: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
-    content_range = service.parse_content_range(request.headers.get("content-range"))
+    content_range = parse_content_range(request.headers.get("content-range"))
     offset = await run_in_threadpool(
         service.append, ctx, claims, owner, repo, session_id, content_range, body_chunks(request)
     )

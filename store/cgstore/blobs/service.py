@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
-import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -312,15 +311,3 @@ def reap_expired_sessions(ctx: StoreContext, now: dt.datetime | None = None) -> 
 def open_session_count(ctx: StoreContext) -> int:
     with ctx.db.session() as session:
         return session.scalar(select(func.count()).select_from(UploadSession).where(UploadSession.expires_at > utcnow()))
-
-
-def parse_content_range(header: str | None) -> tuple[int, int] | None:
-    """OCI ``Content-Range: <start>-<end>`` (inclusive; ``bytes `` prefix and ``/total`` tolerated)."""
-    if header is None:
-        return None
-    match = re.fullmatch(r"(?:bytes[ =])?(\d+)-(\d+)(?:/(?:\d+|\*))?", header.strip(), re.ASCII)
-    if not match or int(match.group(2)) < int(match.group(1)):
-        raise RangeInvalid("Content-Range must be '<start>-<end>'", content_range=header[:100])
-    return int(match.group(1)), int(match.group(2)) + 1
-
-

@@ -81,6 +81,11 @@ class BlobUploadUnknown(StoreError):
 class RangeInvalid(StoreError):
     code, status = "RANGE_INVALID", 416
 
+    def headers(self) -> dict[str, str]:
+        # RFC 9110 §15.5.17: a 416 to a ranged read names the representation's length.
+        size = self.detail.get("size")
+        return {"Content-Range": f"bytes */{size}"} if isinstance(size, int) else {}
+
 
 class BadRequest(StoreError):
     """Malformed request body or parameters that no more specific code covers."""

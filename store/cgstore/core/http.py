@@ -113,8 +113,8 @@ def _plain_errors(errors: Any) -> list[dict[str, Any]]:
 
 async def read_json(request: Request, model: type[Model], max_bytes: int) -> Model:
     """Parse a JSON body into ``model``, refusing bodies over ``max_bytes`` while they stream in."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    declared = declared_length(request)
+    if declared is not None and declared > max_bytes:
         raise TooLarge(f"JSON body over {max_bytes} bytes", limit=max_bytes)
     body = bytearray()
     async for chunk in request.stream():
@@ -129,30 +129,74 @@ async def read_json(request: Request, model: type[Model], max_bytes: int) -> Mod
         raise BadRequest("request body is not valid JSON") from None
 
 
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)", re.ASCII)
+#: Longest decimal number accepted from a request (a header or a query): any
+#: byte offset or size the store can hold fits in 19 digits (int64). Checked by
+#: the grammar *before* ``int()``, so thousands of digits never reach the conversion.
+MAX_NUMBER_DIGITS = 19
+#: How much of a client's header is echoed back in an error's detail.
+MAX_ECHO_CHARS = 64
+
+_NUMBER = re.compile(rf"[0-9]{{1,{MAX_NUMBER_DIGITS}}}", re.ASCII)
+_OPTIONAL_NUMBER = rf"([0-9]{{0,{MAX_NUMBER_DIGITS}}})"
+# RFC 9110 §14.1.2: "bytes=" first-pos "-" [last-pos] | "bytes=-" suffix-length; the unit is case-insensitive.
+_RANGE = re.compile(rf"bytes={_OPTIONAL_NUMBER}-{_OPTIONAL_NUMBER}", re.ASCII | re.IGNORECASE)
+_RANGE_UNIT = re.compile(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+)=", re.ASCII)
+# OCI chunk ranges are inclusive "<start>-<end>"; a "bytes " prefix and a "/total" are tolerated.
+_CONTENT_RANGE = re.compile(
+    rf"(?:bytes[ =])?([0-9]{{1,{MAX_NUMBER_DIGITS}}})-([0-9]{{1,{MAX_NUMBER_DIGITS}}})"
+    rf"(?:/(?:[0-9]{{1,{MAX_NUMBER_DIGITS}}}|\*))?",
+    re.ASCII,
+)
+
+
+def echo(value: str) -> str:
+    """A client-supplied value cut to a bounded length, for an error's detail."""
+    return value[:MAX_ECHO_CHARS]
+
+
+def parse_number(value: str) -> int | None:
+    """A bounded, plain ASCII decimal (``str.isdigit`` would also pass "²"); None when it is not one."""
+    return int(value) if _NUMBER.fullmatch(value) else None
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """``Range: bytes=a-b | a- | -n`` → half-open ``(start, end)``; None for the whole blob.
 
-    Multiple ranges are not supported (416, like a range that cannot be satisfied).
+    RFC 9110 §14.2: a range unit other than ``bytes`` is ignored (the whole blob).
+    Multiple ranges are not supported (416, like a range that cannot be
+    satisfied). On an empty blob no range selects a byte, so every range is
+    416: RFC 9110 calls a suffix range satisfiable there, but no Content-Range
+    can describe the empty part it would select.
     """
     if header is None:
         return None
-    match = _RANGE.fullmatch(header.strip())
+    header = header.strip()
+    unit = _RANGE_UNIT.match(header)
+    if unit is not None and unit.group(1).lower() != "bytes":
+        return None
+    match = _RANGE.fullmatch(header)
     if not match or match.group(1) == match.group(2) == "":
-        raise RangeInvalid("unsupported Range header", range=header, size=size)
+        raise RangeInvalid("unsupported Range header", range=echo(header), size=size)
     first, last = match.groups()
     if first == "":
         length = int(last)
-        if length == 0:
-            raise RangeInvalid("empty suffix range", range=header, size=size)
+        if length == 0 or size == 0:
+            raise RangeInvalid("range not satisfiable", range=echo(header), size=size)
         return max(size - length, 0), size
     start = int(first)
-    end = size if last == "" else min(int(last) + 1, size)
     if start >= size or (last != "" and int(last) < start):
-        raise RangeInvalid("range not satisfiable", range=header, size=size)
-    return start, end
+        raise RangeInvalid("range not satisfiable", range=echo(header), size=size)
+    return start, size if last == "" else min(int(last) + 1, size)
+
+
+def parse_content_range(header: str | None) -> tuple[int, int] | None:
+    """OCI ``Content-Range: <start>-<end>`` (inclusive) → half-open ``(start, end)``; None when absent."""
+    if header is None:
+        return None
+    match = _CONTENT_RANGE.fullmatch(header.strip())
+    if not match or int(match.group(2)) < int(match.group(1)):
+        raise RangeInvalid("Content-Range must be '<start>-<end>'", content_range=echo(header))
+    return int(match.group(1)), int(match.group(2)) + 1
 
 
 def body_chunks(request: Request, batch_bytes: int = 1 << 20) -> Iterator[bytes]:
@@ -184,9 +228,11 @@ def body_chunks(request: Request, batch_bytes: int = 1 << 20) -> Iterator[bytes]
 
 
 def declared_length(request: Request) -> int | None:
+    """The declared body size; a Content-Length that is not a bounded decimal is 400 ``SIZE_INVALID``."""
     value = request.headers.get("content-length")
     if value is None:
         return None
-    if not value.isdigit():
-        raise SizeInvalid("Content-Length is not a number")
-    return int(value)
+    number = parse_number(value.strip())
+    if number is None:
+        raise SizeInvalid("Content-Length is not a number", content_length=echo(value))
+    return number
