@@ -16,6 +16,7 @@ from cgstore.blobs.router import router as blobs_router
 from cgstore.core.context import StoreContext
 from cgstore.core.db import Database
 from cgstore.core.http import install_error_handlers
+from cgstore.core.private import private_dir
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.health.router import router as health_router
 from cgstore.settings import Settings
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def build_context(settings: Settings) -> StoreContext:
+    private_dir(settings.home)
     db = Database(settings.resolved_database_url)
     ctx = StoreContext(
         settings=settings,

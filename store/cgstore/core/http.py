@@ -74,7 +74,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if _is_denial(err):
             await _audit_denial(request, err)
         if isinstance(err, Unavailable):
-            log.warning("unavailable: %s", err.message)
+            # The cause (paths, endpoints) is for the operator's log, never the client's body.
+            log.warning("unavailable: %s (%s)", err.message, err.__cause__)
         return error_response(err)
 
     @app.exception_handler(sqlalchemy.exc.OperationalError)

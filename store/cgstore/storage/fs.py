@@ -37,6 +37,7 @@ removes those older than a given age.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -47,6 +48,7 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from cgstore.core.errors import BlobUnknown, BlobUploadUnknown, DigestInvalid, SizeInvalid, TooLarge, Unavailable
+from cgstore.core.private import DIR_MODE, FILE_MODE, private_dir
 from cgstore.storage.base import BlobWriter, StagedUpload, Storage
 from cgstore.storage.hashing import (
     READ_CHUNK_BYTES,
@@ -68,13 +70,19 @@ def root_from_url(url: str) -> Path:
     return Path(url)
 
 
+def _os_cause(exc: OSError) -> str:
+    """What failed, for the client: the errno and its text, never the path (it stays in the log)."""
+    name = errno.errorcode.get(exc.errno, type(exc).__name__) if exc.errno else type(exc).__name__
+    return f"{name}: {exc.strerror}" if exc.strerror else name
+
+
 @contextlib.contextmanager
 def _os_errors(operation: str) -> Iterator[None]:
     """A failing disk (EIO, ENOSPC, EACCES) is an outage to the caller, never a 500."""
     try:
         yield
     except OSError as exc:
-        raise Unavailable("storage failed", operation=operation, cause=f"{type(exc).__name__}: {exc}") from exc
+        raise Unavailable(f"storage failed: {operation}", operation=operation, cause=_os_cause(exc)) from exc
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
@@ -105,8 +113,9 @@ class FileStorage(Storage):
         self.blobs_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
         self.uploads_dir = self.root / "uploads"
+        private_dir(self.root)
         for directory in (self.blobs_dir, self.tmp_dir, self.uploads_dir):
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=DIR_MODE, exist_ok=True)
 
     @classmethod
     def from_settings(cls, settings) -> FileStorage:
@@ -123,7 +132,7 @@ class FileStorage(Storage):
         """Atomically move a verified, fsynced file onto its blob name, durably."""
         final = self._blob_path(hex_digest)
         try:
-            final.parent.mkdir()
+            final.parent.mkdir(mode=DIR_MODE)
             _fsync_dir(self.blobs_dir)  # the new shard directory's own entry
         except FileExistsError:
             pass
@@ -143,7 +152,7 @@ class FileStorage(Storage):
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise Unavailable("storage failed", operation="size", cause=str(exc)) from exc
+            raise Unavailable("storage failed: size", operation="size", cause=_os_cause(exc)) from exc
 
     def read(self, digest: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         # Open now, not on first iteration: an absent blob must raise before the
@@ -155,7 +164,7 @@ class FileStorage(Storage):
         except FileNotFoundError:
             raise BlobUnknown("blob unknown", digest=digest) from None
         except OSError as exc:
-            raise Unavailable("storage failed", operation="read", cause=str(exc)) from exc
+            raise Unavailable("storage failed: read", operation="read", cause=_os_cause(exc)) from exc
         return _stream_file(file, start, end)
 
     def delete(self, digest: str) -> None:
@@ -168,7 +177,7 @@ class FileStorage(Storage):
         with _os_errors("stage_begin"):
             try:
                 # O_EXCL: session ids are fresh; never truncate another session's bytes.
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
             except FileExistsError:
                 raise ValueError(f"upload session {session_id} already has staging") from None
             _fsync_dir(self.uploads_dir)
@@ -270,7 +279,7 @@ class FileStorage(Storage):
         except FileNotFoundError:
             raise BlobUploadUnknown("no such upload session", session_id=session_id) from None
         except OSError as exc:
-            raise Unavailable("storage failed", operation="stage", cause=str(exc)) from exc
+            raise Unavailable("storage failed: stage", operation="stage", cause=_os_cause(exc)) from exc
         try:
             with _os_errors("stage"):
                 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -288,7 +297,8 @@ class FileStorage(Storage):
     def ping(self) -> None:
         for directory in (self.blobs_dir, self.tmp_dir, self.uploads_dir):
             if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
-                raise Unavailable("storage directory is missing or not writable", path=str(directory))
+                # The directory's role, not its absolute path: clients learn what failed, not where.
+                raise Unavailable("storage directory is missing or not writable", directory=directory.name)
 
     def sweep_orphans(self, older_than_s: float) -> int:
         """Delete temp files of writes that died more than ``older_than_s`` ago."""
@@ -348,7 +358,7 @@ def _stream_file(file, start: int, end: int | None) -> Iterator[bytes]:
                     remaining -= len(data)
                 yield data
         except OSError as exc:
-            raise Unavailable("storage failed", operation="read", cause=str(exc)) from exc
+            raise Unavailable("storage failed: read", operation="read", cause=_os_cause(exc)) from exc
 
 
 class FileBlobWriter(BlobWriter):
@@ -359,7 +369,7 @@ class FileBlobWriter(BlobWriter):
         self._verifier = verifier
         self._temp_path = storage.tmp_dir / f"{verifier.hex}.{uuid.uuid4().hex}.part"
         with _os_errors("write"):
-            self._fd: int | None = os.open(self._temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._fd: int | None = os.open(self._temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
 
     def write(self, chunk: bytes) -> None:
         if self._fd is None:

@@ -222,9 +222,8 @@ def _s3_errors(operation: str) -> Iterator[None]:
             raise Unavailable("object storage failed", operation=operation, code=code, status=status) from exc
         raise
     except _TRANSPORT_ERRORS as exc:
-        raise Unavailable(
-            "object storage unreachable", operation=operation, cause=f"{type(exc).__name__}: {exc}"
-        ) from exc
+        # The exception's type says what failed; its text names internal endpoints (kept in the log).
+        raise Unavailable("object storage unreachable", operation=operation, cause=type(exc).__name__) from exc
 
 
 def _client_config(*, endpoint_url, max_concurrency, connect_timeout_s, read_timeout_s, max_attempts) -> Config:
