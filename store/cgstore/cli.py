@@ -48,6 +48,7 @@ def serve(
 
     from cgstore.app import create_app
     from cgstore.core import migrate as migrations
+    from cgstore.core.serving import server_options
 
     settings = Settings()
     private_dir(settings.home)
@@ -64,6 +65,7 @@ def serve(
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=10,
+        **server_options(settings),
     )
 
 

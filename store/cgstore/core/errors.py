@@ -97,6 +97,22 @@ class TooLarge(StoreError):
     code, status = "TOO_LARGE", 413
 
 
+class HeadersTooLarge(TooLarge):
+    """Request line and headers over ``CGSTORE_MAX_HEADER_BYTES`` (answered by the server protocol)."""
+
+    status = 431
+
+
+class RequestTimeout(StoreError):
+    """The client sent nothing for too long: headers, or body bytes for ``CGSTORE_BODY_IDLE_TIMEOUT_S``."""
+
+    code, status = "REQUEST_TIMEOUT", 408
+
+    def headers(self) -> dict[str, str]:
+        # The rest of the body will never be read: the connection cannot carry another request.
+        return {"Connection": "close"}
+
+
 class Unavailable(StoreError):
     """The database or the object store did not answer: retry later."""
 

@@ -5,18 +5,22 @@ responses: ``StoreError`` subclasses carry their protocol code and status;
 database and storage outages become 503 ``UNAVAILABLE`` with ``Retry-After``;
 request validation failures become 400 with the protocol's error body. Refusals
 (401, 403, and 404s that hide a denial) are audited here.
+
+Request bodies are read here too, always on the event loop (``feed_body``):
+a client that stalls mid-body costs a connection and at most one batch of
+memory, never a worker thread.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Generator
 from typing import Any, TypeVar
 
-import anyio.from_thread
-
+import anyio
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +34,7 @@ from cgstore.audit.service import record_denial
 from cgstore.core.errors import (
     BadRequest,
     RangeInvalid,
+    RequestTimeout,
     SizeInvalid,
     StoreError,
     TooLarge,
@@ -39,6 +44,7 @@ from cgstore.core.errors import (
 
 log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
+T = TypeVar("T")
 
 _HTTP_CODES = {404: "NAME_UNKNOWN", 405: "UNSUPPORTED", 413: "TOO_LARGE"}
 
@@ -118,7 +124,7 @@ async def read_json(request: Request, model: type[Model], max_bytes: int) -> Mod
     if declared is not None and declared > max_bytes:
         raise TooLarge(f"JSON body over {max_bytes} bytes", limit=max_bytes)
     body = bytearray()
-    async for chunk in request.stream():
+    async for chunk in body_batches(request, batch_bytes=max_bytes + 1):
         body += chunk
         if len(body) > max_bytes:
             raise TooLarge(f"JSON body over {max_bytes} bytes", limit=max_bytes)
@@ -200,32 +206,79 @@ def parse_content_range(header: str | None) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2)) + 1
 
 
-def body_chunks(request: Request, batch_bytes: int = 1 << 20) -> Iterator[bytes]:
-    """The request body as a plain iterator, for a service running in a worker thread.
+#: A body is read on the event loop and handed to a worker thread in batches of
+#: this size: one thread hop per MiB, and memory stays at one batch per request.
+BODY_BATCH_BYTES = 1 << 20
 
-    Each step hops to the event loop once and gathers up to ``batch_bytes``, so
-    a GiB costs about a thousand hops, and memory stays at one batch.
-    A client that disconnects raises ``ClientDisconnect`` inside the service,
-    whose writer then aborts.
+#: A service step that consumes a request body (the service never sees HTTP):
+#: primed with ``next`` (its checks run before any byte is read), sent each
+#: batch, then ``None`` at the end of the body; what it returns is the answer.
+BodyConsumer = Generator[None, bytes | None, T]
+
+
+async def body_batches(request: Request, batch_bytes: int = BODY_BATCH_BYTES) -> AsyncIterator[bytes]:
+    """The request body in immutable batches of up to ``batch_bytes``, read on the event loop.
+
+    A body that sends nothing for ``CGSTORE_BODY_IDLE_TIMEOUT_S`` raises
+    ``RequestTimeout`` (408); a client that goes away raises ``ClientDisconnect``.
     """
+    idle_s = request.app.state.context.settings.body_idle_timeout_s
     stream = request.stream()
-
-    async def next_batch() -> bytes | None:
-        chunks, gathered = [], 0
-        while gathered < batch_bytes:
-            try:
-                chunk = await stream.__anext__()
-            except StopAsyncIteration:
-                break
+    chunks: list[bytes] = []
+    gathered = 0
+    while True:
+        try:
+            with anyio.fail_after(idle_s):
+                chunk = await anext(stream)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise RequestTimeout(f"the request body sent nothing for {idle_s:g} s", idle_timeout_s=idle_s) from None
+        if chunk:
             chunks.append(chunk)
             gathered += len(chunk)
-        # One copy into an exactly sized, immutable batch (none for a lone
-        # chunk): writers may then keep batches by reference (the S3 writer
-        # does while a blob may still fit one PUT), and nothing is regrown.
-        return (chunks[0] if len(chunks) == 1 else b"".join(chunks)) if gathered else None
+        if gathered >= batch_bytes:
+            yield _joined(chunks)
+            chunks, gathered = [], 0
+    if gathered:
+        yield _joined(chunks)
 
-    while (batch := anyio.from_thread.run(next_batch)) is not None:
-        yield batch
+
+def _joined(chunks: list[bytes]) -> bytes:
+    # One copy into an exactly sized, immutable batch (none for a lone chunk):
+    # writers may then keep batches by reference (the S3 writer does while a
+    # blob may still fit one PUT), and nothing is regrown.
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def feed_body(request: Request, consumer: BodyConsumer[T]) -> T:
+    """Run ``consumer`` over the request body and return its answer.
+
+    Each step of the consumer (its checks, each batch's write, the commit) is
+    one short worker-thread call; the body is awaited on the event loop in
+    between. So a slow or stalled client holds no thread, and token checks,
+    reads and audit writes, which share the pool, are never starved by uploads.
+    """
+    try:
+        await run_in_threadpool(next, consumer)
+        async for batch in body_batches(request):
+            await run_in_threadpool(consumer.send, batch)
+        return await run_in_threadpool(_end_of_body, consumer)
+    finally:
+        if inspect.getgeneratorstate(consumer) != inspect.GEN_CLOSED:
+            # Left mid-body (timeout, client gone, refusal, cancellation): closing
+            # runs the consumer's ``with`` blocks, which abort its write, so
+            # nothing is left behind. Shielded: a cancelled request still cleans up.
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(consumer.close)
+
+
+def _end_of_body(consumer: BodyConsumer[T]) -> T:
+    try:
+        consumer.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a body consumer asked for bytes after the body ended")
 
 
 def declared_length(request: Request) -> int | None:
