@@ -66,6 +66,8 @@ def _escape_char(match: re.Match[str]) -> str:
     if char == "\\":
         return "\\\\"
     code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte, as ``surrogateescape`` carries it
+        return f"\\x{code - 0xDC00:02x}"
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
@@ -75,7 +77,7 @@ def clean(value: object, limit: int) -> str:
     Bytes that are not UTF-8 become ``\\xNN``; a value cut short ends with
     ``…[cut from N chars]`` so a reader knows it was.
     """
-    text = value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else str(value)
+    text = value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
     # Escaping never shortens, so escaping a prefix of ``limit`` characters suffices.
     escaped = _NEEDS_ESCAPE.sub(_escape_char, text[: limit + 1])
     if len(escaped) <= limit and len(text) <= limit:
