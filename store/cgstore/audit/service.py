@@ -42,7 +42,7 @@ from cgstore.audit.models import (
     TARGET_LEN,
     AuditEvent,
 )
-from cgstore.core.db import utcnow
+from cgstore.core.db import Database, utcnow
 from cgstore.core.errors import BadRequest, Denied
 from cgstore.tokens.grants import ADMIN, WILDCARD
 from cgstore.tokens.service import Claims
@@ -151,7 +151,7 @@ def record(
     )
 
 
-def record_denial(db, **fields: Any) -> None:
+def record_denial(db: Database, **fields: Any) -> None:
     """Record a refusal in its own transaction: the refused request's work is rolled back.
 
     A denial that cannot be audited (database down) is logged instead; the
@@ -244,7 +244,7 @@ def parse_cursor(cursor: str | None) -> int | None:
 
 
 def read_page(
-    db, claims: Claims, where: AuditFilter, cursor: str | None, limit: int, newest_first: bool = False
+    db: Database, claims: Claims, where: AuditFilter, cursor: str | None, limit: int, newest_first: bool = False
 ) -> AuditPage:
     """``GET /v1/audit``: one page for an admin."""
     require_admin(claims)
