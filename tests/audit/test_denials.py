@@ -187,3 +187,16 @@ def test_a_hidden_404_with_nul_and_surrogates_is_audited(store):
     assert row.target == f"/v1/repos/acme/{name}/blobs/x\\x00y\\ud800"
     assert (row.outcome, row.actor, row.source) == ("BLOB_UNKNOWN", "eve", "192.0.2.7")
     assert row.detail == {"message": "blob unknown to this repo \\x00\\ud800"}
+
+
+def test_an_aggregate_keeps_bounded_samples_of_huge_paths(store):
+    denials = DenialLog(store.context.db, interval_s=NO_FLUSH, max_sources=10)
+    marker = unique_repo("huge")
+    for i in range(20):
+        denials.count(source="192.0.2.9", outcome="UNAUTHORIZED", message="m" * 10_000 + str(i), path=f"/{marker}/{i}" + "p" * 100_000)
+    first = last_id(store)
+    denials.flush()
+    (row,) = rows(store, AuditEvent.id > first, AuditEvent.target.contains(marker))
+    assert row.count == 20 and len(row.target) == 512 and row.target.endswith("…[cut from 513 chars]")
+    assert len(row.detail["paths"]) == 5 and all(len(path) == 512 for path in row.detail["paths"])
+    assert sum(row.detail["messages"].values()) <= 20 and len(row.detail["messages"]) <= 8

@@ -26,7 +26,8 @@ import threading
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from cgstore.audit.service import record, record_denial
+from cgstore.audit.models import TARGET_LEN
+from cgstore.audit.service import DETAIL_STRING_LEN, record, record_denial
 from cgstore.core.db import Database, utcnow
 from cgstore.core.errors import StoreError
 
@@ -77,6 +78,9 @@ class DenialLog:
     def count(self, *, source: str, outcome: str, message: str, path: str) -> None:
         """Account for one 401. No I/O: called on the event loop for every refused request."""
         now = utcnow()
+        # Memory per key stays bounded whatever the request: only a prefix one
+        # longer than the column is kept, so the stored sample still says "cut".
+        message, path = message[: DETAIL_STRING_LEN + 1], path[: TARGET_LEN + 1]
         with self._lock:
             key = (source, outcome)
             if key not in self._pending and len(self._pending) >= self._max_sources:
