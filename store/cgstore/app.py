@@ -7,19 +7,24 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from cgstore import __version__
+from cgstore.audit.service import record_denial
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.router import router as blobs_router
-from cgstore.core.context import StoreContext
+from cgstore.context import StoreContext
 from cgstore.core.db import Database
+from cgstore.core.errors import StoreError
 from cgstore.core.http import install_error_handlers
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.health.router import router as health_router
+from cgstore.owners.router import router as owners_router
+from cgstore.repos.router import router as repos_router
 from cgstore.settings import Settings
 from cgstore.storage import open_storage
+from cgstore.tokens.router import router as tokens_router
 from cgstore.tokens.service import TokenService
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,24 @@ def _open_sessions_or_nan(ctx: StoreContext) -> float:
         return float(blobs_service.open_session_count(ctx))
     except Exception:  # a scrape during a database outage reports "unknown", not an error
         return float("nan")
+
+
+async def _audit_denial(request: Request, err: StoreError) -> None:
+    """The denial hook of ``core.http``: every 401, 403 and hidden 404, under its actor and jti."""
+    claims = getattr(request.state, "claims", None)
+    context: StoreContext | None = getattr(request.app.state, "context", None)
+    if context is None:
+        return
+    await run_in_threadpool(
+        record_denial,
+        context.db,
+        actor=claims.sub if claims else "-",
+        jti=claims.jti if claims else None,
+        action=f"{request.method} {getattr(request.scope.get('route'), 'path', request.url.path)}",
+        target=request.url.path,
+        outcome=err.code,
+        detail={"message": err.message},
+    )
 
 
 async def _reap_forever(ctx: StoreContext) -> None:
@@ -74,8 +97,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="cgstore", version=__version__, lifespan=lifespan)
     app.state.context = ctx
-    install_error_handlers(app)
+    install_error_handlers(app, on_denial=_audit_denial)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
-    app.include_router(health_router)
-    app.include_router(blobs_router)
+    # Each router carries its prefix: with FastAPI 0.165 a prefix given here would
+    # leave route.path relative, and metrics and the audit label requests by it.
+    for router in (health_router, tokens_router, owners_router, repos_router, blobs_router):
+        app.include_router(router)
     return app

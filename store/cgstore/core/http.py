@@ -4,7 +4,8 @@
 responses: ``StoreError`` subclasses carry their protocol code and status;
 database and storage outages become 503 ``UNAVAILABLE`` with ``Retry-After``;
 request validation failures become 400 with the protocol's error body. Refusals
-(401, 403, and 404s that hide a denial) are audited here.
+(401, 403, and 404s that hide a denial) go to the ``on_denial`` hook the app
+registers (the audit), so ``core`` depends on no feature.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio.from_thread
@@ -22,11 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cgstore.audit.service import record_denial
 from cgstore.core.errors import (
     BadRequest,
     RangeInvalid,
@@ -39,6 +38,8 @@ from cgstore.core.errors import (
 
 log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
+#: Called with every refusal before it is answered (the app registers the audit here).
+DenialHook = Callable[[Request, StoreError], Awaitable[None]]
 
 _HTTP_CODES = {404: "NAME_UNKNOWN", 405: "UNSUPPORTED", 413: "TOO_LARGE"}
 
@@ -51,28 +52,11 @@ def _is_denial(err: StoreError) -> bool:
     return err.status in (401, 403) or err.hides_denial
 
 
-async def _audit_denial(request: Request, err: StoreError) -> None:
-    claims = getattr(request.state, "claims", None)
-    context = getattr(request.app.state, "context", None)
-    if context is None:
-        return
-    await run_in_threadpool(
-        record_denial,
-        context.db,
-        actor=claims.sub if claims else "-",
-        jti=claims.jti if claims else None,
-        action=f"{request.method} {getattr(request.scope.get('route'), 'path', request.url.path)}",
-        target=request.url.path,
-        outcome=err.code,
-        detail={"message": err.message},
-    )
-
-
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_denial: DenialHook) -> None:
     @app.exception_handler(StoreError)
     async def store_error(request: Request, err: StoreError) -> JSONResponse:
         if _is_denial(err):
-            await _audit_denial(request, err)
+            await on_denial(request, err)
         if isinstance(err, Unavailable):
             log.warning("unavailable: %s", err.message)
         return error_response(err)

@@ -1,0 +1,89 @@
+"""Principals and owners: who exists, who is platform, and who holds which owner slug.
+
+A principal is recorded the first time a token is minted for it (a tenant),
+or registered as a platform principal (``cgstore token mint --platform``,
+``POST /v1/tokens {"platform": true}``). An owner slug is claimed by the
+calling principal with ``POST /v1/owners``; the reserved slugs never can be
+(that refusal is ``access.can_claim_owner``'s), and a slug has one holder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from cgstore.access import can_claim_owner
+from cgstore.audit.service import record
+from cgstore.core.db import Database, insert_ignoring_conflicts, utcnow
+from cgstore.core.errors import BadRequest, Conflict
+from cgstore.owners.models import Owner, Principal
+from cgstore.tokens.claims import Claims, check_sub
+
+
+@dataclass(frozen=True)
+class OwnerInfo:
+    slug: str
+    principal: str
+    created_at: object
+
+
+# -- principals -------------------------------------------------------------------------
+
+
+def register_principal(db: Database, name: str, platform: bool) -> None:
+    """Create or update principal ``name``; ``platform`` is set as given (may demote)."""
+    check_sub(name)
+    if not isinstance(platform, bool):
+        raise BadRequest("platform must be true or false")
+    upsert_principal(db, name, platform, demote=True)
+
+
+def upsert_principal(db: Database, name: str, platform: bool, *, demote: bool) -> None:
+    """Create ``name`` with ``platform``, or update an existing row.
+
+    An existing platform principal is demoted only when ``demote`` is set:
+    minting an ordinary token for it must not strip its platform status.
+    Two first mints for one principal may race on the insert; the loser
+    retries once and then finds the winner's row.
+    """
+    for attempt in range(2):
+        try:
+            with db.session() as session:
+                principal = session.get(Principal, name)
+                if principal is None:
+                    session.add(Principal(name=name, platform=platform))
+                elif platform or demote:
+                    principal.platform = platform
+            return
+        except IntegrityError:
+            if attempt:
+                raise
+
+
+def is_platform_principal(session: Session, name: str) -> bool:
+    """Looked up live on every root write: a demoted principal loses root at once."""
+    principal = session.get(Principal, name)
+    return principal is not None and principal.platform
+
+
+# -- owners ------------------------------------------------------------------------------
+
+
+def holder(session: Session, slug: str) -> str | None:
+    """The principal holding owner ``slug``, or None when nobody claimed it."""
+    owner = session.get(Owner, slug)
+    return owner.principal if owner is not None else None
+
+
+def claim_owner(db: Database, claims: Claims, slug: object) -> OwnerInfo:
+    """Claim ``slug`` for ``claims.sub``: 201 once; 409 ``CONFLICT`` when anyone holds it already."""
+    can_claim_owner(claims, slug).enforce()
+    upsert_principal(db, claims.sub, False, demote=False)  # the FK target, for a sub minted elsewhere
+    with db.session() as session:
+        now = utcnow()
+        if not insert_ignoring_conflicts(session, Owner, slug=slug, principal=claims.sub, created_at=now):
+            raise Conflict(f"owner {slug!r} is already taken", owner=slug)
+        record(session, actor=claims.sub, jti=claims.jti, action="owner.claim", target=str(slug))
+    return OwnerInfo(slug=str(slug), principal=claims.sub, created_at=now)
