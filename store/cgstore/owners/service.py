@@ -15,9 +15,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from cgstore.access import can_claim_owner
-from cgstore.audit.service import record
+from cgstore.audit.service import record, record_denial
 from cgstore.core.db import Database, insert_ignoring_conflicts, utcnow
-from cgstore.core.errors import BadRequest, Conflict
+from cgstore.core.errors import BadRequest, Conflict, NameInvalid
 from cgstore.owners.models import Owner, Principal
 from cgstore.tokens.claims import Claims, check_sub
 
@@ -78,12 +78,33 @@ def holder(session: Session, slug: str) -> str | None:
 
 
 def claim_owner(db: Database, claims: Claims, slug: object) -> OwnerInfo:
-    """Claim ``slug`` for ``claims.sub``: 201 once; 409 ``CONFLICT`` when anyone holds it already."""
-    can_claim_owner(claims, slug).enforce()
+    """Claim ``slug`` for ``claims.sub``: 201 once; 409 ``CONFLICT`` when anyone holds it already.
+
+    A look-alike slug (400) and a taken one (409) are audited here: they are
+    attempts on a name, like the 403s the error handler audits.
+    """
+    try:
+        can_claim_owner(claims, slug).enforce()
+    except NameInvalid as err:
+        _audit_refused_claim(db, claims, slug, err)
+        raise
     upsert_principal(db, claims.sub, False, demote=False)  # the FK target, for a sub minted elsewhere
     with db.session() as session:
         now = utcnow()
-        if not insert_ignoring_conflicts(session, Owner, slug=slug, principal=claims.sub, created_at=now):
-            raise Conflict(f"owner {slug!r} is already taken", owner=slug)
-        record(session, actor=claims.sub, jti=claims.jti, action="owner.claim", target=str(slug))
+        taken = not insert_ignoring_conflicts(session, Owner, slug=slug, principal=claims.sub, created_at=now)
+        if not taken:
+            record(session, actor=claims.sub, jti=claims.jti, action="owner.claim", target=str(slug))
+    if taken:
+        err = Conflict(f"owner {slug!r} is already taken", owner=slug)
+        _audit_refused_claim(db, claims, slug, err)
+        raise err
     return OwnerInfo(slug=str(slug), principal=claims.sub, created_at=now)
+
+
+def _audit_refused_claim(db: Database, claims: Claims, slug: object, err: Conflict | NameInvalid) -> None:
+    # ascii() escapes homoglyphs and control bytes: the row shows exactly what was tried.
+    shown = ascii(slug) if isinstance(slug, str) else f"<{type(slug).__name__}>"
+    record_denial(
+        db, actor=claims.sub, jti=claims.jti, action="owner.claim", target=shown[:300], outcome=err.code,
+        detail={"message": err.message},
+    )

@@ -27,7 +27,7 @@ class TokenRecord(Base):
                      a token whose claims differ (the same jti re-signed with other
                      grants, ``plt`` or ``exp`` by any accepted key) is refused.
                      NULL only for tokens minted before revision 0002, which are refused.
-      kid            the key that signed it.
+      kid            the key that signed it; the same claims under another kid are refused.
     """
 
     __tablename__ = "tokens"

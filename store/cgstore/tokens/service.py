@@ -10,7 +10,8 @@ A signature alone never makes a token valid. ``verify`` requires: the header's
 signature; ``aud`` and ``iss`` exactly; ``exp``, ``iat`` and ``nbf`` against the
 clock; a record for the ``jti`` whose digest of the claims equals the digest
 of the presented claims (so a recorded jti re-signed with other claims by any
-accepted key is refused); and neither the token nor any ancestor revoked.
+accepted key is refused) and whose signing ``kid`` is the header's; and
+neither the token nor any ancestor revoked.
 Nothing is cached between calls, so a revocation or a key retirement takes
 effect on the very next request. Every failure is ``TokenInvalid`` (401); no
 path falls back to anonymous. Tokens are never stored or logged: records hold
@@ -226,6 +227,8 @@ class TokenService:
                 raise TokenInvalid("token predates claim digests (revision 0002): mint a new one", jti=claims.jti)
             if not hmac.compare_digest(record_.claims_digest, claims_digest(payload)):
                 raise TokenInvalid("token claims differ from its record", jti=claims.jti)
+            if record_.kid != kid:  # so a retired key's tokens stay dead, even re-signed
+                raise TokenInvalid("token signed by another key than the one that minted it", jti=claims.jti)
             self._check_chain(session, claims.jti)
         return claims
 
