@@ -23,10 +23,12 @@ app = typer.Typer(help="cgstore: the registry for PyTorch compiled graphs.", no_
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 token_app = typer.Typer(help="Cap-tokens.", no_args_is_help=True)
 keys_app = typer.Typer(help="The signing-key ring: rotate, retire, list.", no_args_is_help=True)
+principal_app = typer.Typer(help="Principals: platform or tenant.", no_args_is_help=True)
 uploads_app = typer.Typer(help="Resumable upload sessions.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(token_app, name="token")
 app.add_typer(keys_app, name="keys")
+app.add_typer(principal_app, name="principal")
 app.add_typer(uploads_app, name="uploads")
 
 @app.callback()
@@ -139,6 +141,22 @@ def token_revoke(jti: str) -> None:
     except StoreError as err:
         raise _fail(err) from None
     typer.echo(f"revoked {count} tokens")
+
+
+@principal_app.command("set")
+def principal_set(
+    name: str,
+    platform: Annotated[bool, typer.Option("--platform/--tenant", help="Register as platform, or demote to tenant.")],
+) -> None:
+    """Register NAME as a platform principal, or demote it to a tenant (root writes stop at once)."""
+    from cgstore.owners.service import register_principal
+
+    service = _token_service()
+    try:
+        register_principal(service.db, name, platform)
+    except StoreError as err:
+        raise _fail(err) from None
+    typer.echo(f"{name}: {'platform' if platform else 'tenant'}")
 
 
 @keys_app.command("rotate")

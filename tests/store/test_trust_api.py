@@ -153,3 +153,15 @@ def test_root_repos_are_configured_through_the_root_gate(store):
         assert client.put(f"/v1/repos/root/{name}", json={"visibility": "owner"}).status_code == 201
     with store.context.db.session() as session:
         assert find_repo(session, "root", name).created_by == "platform-ci"
+
+
+def test_cli_demotes_a_platform_principal_and_root_writes_stop(store):
+    name = unique_repo("family")
+    sub = f"plat-{uuid.uuid4().hex[:6]}"
+    token = store.mint(sub, f"root/{name}:write", platform=True)
+    with store.client(token) as client:
+        assert client.post(f"/v1/repos/root/{name}/preflight").status_code == 204
+        assert cli(store, "principal", "set", sub, "--tenant").strip() == f"{sub}: tenant"
+        answer = client.post(f"/v1/repos/root/{name}/preflight")
+    assert answer.status_code == 403 and answer.json()["error"]["detail"]["missing"] == ["a registered platform principal"]
+    assert audit_actions(store, sub) == ["principal.register"]

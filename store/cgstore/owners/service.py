@@ -32,12 +32,17 @@ class OwnerInfo:
 # -- principals -------------------------------------------------------------------------
 
 
-def register_principal(db: Database, name: str, platform: bool) -> None:
-    """Create or update principal ``name``; ``platform`` is set as given (may demote)."""
+def register_principal(db: Database, name: str, platform: bool, *, actor: str = "cli") -> None:
+    """Create or update principal ``name``; ``platform`` is set as given (may demote). Audited.
+
+    A demotion counts from the next request: the root gate looks it up live.
+    """
     check_sub(name)
     if not isinstance(platform, bool):
         raise BadRequest("platform must be true or false")
     upsert_principal(db, name, platform, demote=True)
+    with db.session() as session:
+        record(session, actor=actor, jti=None, action="principal.register", target=name, detail={"platform": platform})
 
 
 def upsert_principal(db: Database, name: str, platform: bool, *, demote: bool) -> None:
