@@ -35,8 +35,8 @@ def test_claiming_a_reserved_slug(store, slug):
 
 @pytest.mark.parametrize(
     "slug",
-    ["Root", "r\u043e\u043et", "\uff52\uff4f\uff4f\uff54", "root-", "ROOT", "ro\u200bot", "root\n", " root"],
-    ids=["Root", "cyrillic-o", "full-width", "root-", "ROOT", "zero-width-space", "newline", "leading-space"],
+    ["Root", "r\u043e\u043et", "\uff52\uff4f\uff4f\uff54", "root-", "ROOT", "ro\u200bot", "root\n", " root", "root\x00"],
+    ids=["Root", "cyrillic-o", "full-width", "root-", "ROOT", "zero-width-space", "newline", "leading-space", "nul"],
 )
 def test_claiming_a_look_alike_of_root(store, slug):
     minted = claimer(store)
