@@ -1,4 +1,4 @@
-"""The ``cgstore`` command: serve, migrate, mint tokens, reclaim abandoned uploads."""
+"""The ``cgstore`` command: serve, migrate, mint tokens, reclaim abandoned uploads, read the audit log."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from cgstore.audit.cli import audit_command
 from cgstore.core.errors import StoreError
 from cgstore.core.private import UMASK, private_dir
 from cgstore.settings import Settings
@@ -110,6 +111,9 @@ def uploads_reap() -> None:
     from cgstore.blobs.service import reap_expired_sessions
 
     typer.echo(f"reaped {reap_expired_sessions(build_context(Settings()))} sessions")
+
+
+app.command("audit")(audit_command(parse_duration))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from cgstore.core.errors import (
     SizeInvalid,
     TooLarge,
 )
+from cgstore.core.faults import crash_point
 from cgstore.repos.models import Repo
 from cgstore.repos.service import readable_repo, writable_repo
 from cgstore.storage import StagedUpload
@@ -132,6 +133,7 @@ def upload(
         while (chunk := (yield)) is not None:
             writer.write(chunk)
         size = writer.commit()
+    crash_point("upload.stored")
     _link(ctx, claims, target, digest, size, action="blob.upload")
     return size
 
@@ -153,6 +155,7 @@ def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: in
             jti=claims.jti,
             action=action,
             target=f"{target.owner}/{target.name}@{digest}",
+            repo=f"{target.owner}/{target.name}",
             detail={"size": size, "new_link": linked, **detail},
         )
 
@@ -236,6 +239,7 @@ def append(
         staged = writer.finish()
     if expected is not None and staged.offset - found.offset != expected:
         raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=staged.offset - found.offset)
+    crash_point("session.staged")
     with ctx.db.session() as session:
         # Compare-and-set on the offset: of two racing chunks at one offset, one wins.
         moved = session.execute(
@@ -269,6 +273,7 @@ def commit_session(
         # The storage dropped the staged bytes: a mismatch leaves nothing to resume.
         _forget_session(ctx, found.id)
         raise
+    crash_point("commit.stored")
     _forget_session(ctx, found.id)
     with ctx.db.session() as session:
         target = session.get(Repo, found.repo_id)
