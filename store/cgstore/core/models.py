@@ -2,8 +2,20 @@
 
 from cgstore.audit.models import AuditEvent
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
+from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
 from cgstore.core.db import Base
 from cgstore.repos.models import Repo
 from cgstore.tokens.models import Principal, TokenRecord
 
-__all__ = ["AuditEvent", "Base", "Blob", "Principal", "Repo", "RepoBlob", "TokenRecord", "UploadSession"]
+__all__ = [
+    "AuditEvent",
+    "Base",
+    "Blob",
+    "CompiledGraph",
+    "CompiledGraphComponent",
+    "Principal",
+    "Repo",
+    "RepoBlob",
+    "TokenRecord",
+    "UploadSession",
+]
