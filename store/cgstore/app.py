@@ -15,7 +15,9 @@ from cgstore.blobs import service as blobs_service
 from cgstore.blobs.router import router as blobs_router
 from cgstore.core.context import StoreContext
 from cgstore.core.db import Database
-from cgstore.core.http import install_error_handlers
+from cgstore.compiled_graphs.router import repo_router as compiled_graphs_router
+from cgstore.compiled_graphs.router import resolve_router as compiled_graphs_resolve_router
+from cgstore.core.http import install_error_handlers, install_request_schemas
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.health.router import router as health_router
 from cgstore.settings import Settings
@@ -78,4 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     app.include_router(health_router)
     app.include_router(blobs_router)
+    app.include_router(compiled_graphs_router)
+    app.include_router(compiled_graphs_resolve_router)
+    install_request_schemas(app)
     return app
