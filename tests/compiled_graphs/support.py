@@ -11,7 +11,7 @@ import blake3
 import httpx
 
 from cgstore_client.archive import ArchiveReport
-from cgstore_client.components import encode_header
+from cgstore_client.components import SAFETENSORS_DTYPES, encode_header
 from cgstore_client.keys import Envelope, Toolchain, ck1
 
 ENVELOPE = {"shapes": [[1024, 1024]], "text_len": 512, "guidance": [3.5]}
@@ -26,14 +26,14 @@ def digest_of(data: bytes) -> str:
 
 
 def safetensors_bytes(tensors: dict[str, tuple[str, list[int]]]) -> bytes:
-    """A real safetensors file (zeros for float tensors, small ints in order) for ``{name: (dtype, shape)}``."""
+    """A real safetensors file (F32 tensors count 0, 1, 2...; others are zeros) for ``{name: (dtype, shape)}``."""
     header = encode_header(tensors)
     body = b""
     for dtype, shape in tensors.values():
         count = 1
         for dim in shape:
             count *= dim
-        body += struct.pack(f"<{count}f", *range(count)) if dtype == "F32" else bytes(count * 8)
+        body += struct.pack(f"<{count}f", *range(count)) if dtype == "F32" else bytes(count * SAFETENSORS_DTYPES[dtype][1])
     return header + body
 
 

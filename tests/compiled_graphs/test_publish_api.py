@@ -15,15 +15,9 @@ from cgstore.compiled_graphs.models import CompiledGraph
 from cgstore.repos.models import Repo
 from cgstore_client.wire.records import PublishAnswer, Record
 from tests.compiled_graphs.support import (
-    CONSTANTS_A,
-    FAMILY,
-    Blob,
     error_code,
     publication,
     publish,
-    safetensors_bytes,
-    upload,
-    upload_all,
 )
 from tests.hostile.corpus import rewrite
 from tests.support.archives import archive_report
