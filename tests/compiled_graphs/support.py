@@ -25,9 +25,9 @@ def digest_of(data: bytes) -> str:
     return "blake3:" + blake3.blake3(data).hexdigest()
 
 
-def safetensors_bytes(tensors: dict[str, tuple[str, list[int]]]) -> bytes:
+def safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None) -> bytes:
     """A real safetensors file (F32 tensors count 0, 1, 2...; others are zeros) for ``{name: (dtype, shape)}``."""
-    header = encode_header(tensors)
+    header = encode_header(tensors, metadata)
     body = b""
     for dtype, shape in tensors.values():
         count = 1
