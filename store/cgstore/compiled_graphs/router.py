@@ -92,13 +92,18 @@ async def resolve(
     request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
     query = await read_json(request, ResolveRequest, ctx.settings.max_json_bytes)
-    url_for = _url_builder(ctx, str(request.base_url).rstrip("/"))
-    return _json(await run_in_threadpool(service.resolve, ctx, claims, query, url_for))
+    urls_for = _url_builder(ctx, str(request.base_url).rstrip("/"))
+    return _json(await run_in_threadpool(service.resolve, ctx, claims, query, urls_for))
 
 
-def _url_builder(ctx: StoreContext, base_url: str) -> service.UrlFor:
+def _url_builder(ctx: StoreContext, base_url: str) -> service.UrlsFor:
     """Presigned storage URLs when the backend redirects downloads, else the store's own blob URL."""
     if ctx.settings.redirect_downloads and ctx.storage.supports_presign:
         ttl = ctx.settings.presign_ttl_s
-        return lambda owner, repo, digest: ctx.storage.presigned_url(digest, ttl)
-    return lambda owner, repo, digest: f"{base_url}/v1/repos/{owner}/{repo}/blobs/{digest}"
+
+        def presigned(refs: list[service.BlobRef]) -> dict[service.BlobRef, str]:
+            by_digest = ctx.storage.presigned_urls([digest for _, _, digest in refs], ttl)
+            return {ref: by_digest[ref[2]] for ref in refs}
+
+        return presigned
+    return lambda refs: {ref: f"{base_url}/v1/repos/{ref[0]}/{ref[1]}/blobs/{ref[2]}" for ref in refs}

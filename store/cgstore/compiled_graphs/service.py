@@ -78,8 +78,10 @@ ACTION_YANK = "compiled_graph.yank"
 #: Distinct family labels one process gives the resolve metric; later families count as ``_other``.
 MAX_FAMILY_LABELS = 100
 
-#: Builds a download URL for a blob of a repo: ``(owner, repo, digest) -> url``.
-UrlFor = Callable[[str, str, str], str]
+#: A blob of a repo: ``(owner, repo, digest)``.
+BlobRef = tuple[str, str, str]
+#: Download URLs for many blobs at once (presigning is batched): ``[ref, ...] -> {ref: url}``.
+UrlsFor = Callable[[list[BlobRef]], dict[BlobRef, str]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,7 +384,7 @@ _RESOLVE_COLUMNS = (
 )
 
 
-def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, url_for: UrlFor) -> ResolveAnswer:
+def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for: UrlsFor) -> ResolveAnswer:
     """One answer per requested key, in order: the best readable live record, or a miss."""
     for key in request.keys:
         if not is_key(key):
@@ -402,7 +404,8 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, url_for:
         ).all()
         best = _best_readable(ctx, claims, candidates)
         components = _component_rows(session, [row.id for row in best.values()])
-    answers = [_answer(key, best.get(key), components, url_for) for key in request.keys]
+    urls = urls_for(_blob_refs(best.values(), components))
+    answers = [_answer(key, best.get(key), components, urls) for key in request.keys]
     _count(ctx, request.family, answers)
     return ResolveAnswer(answers=answers)
 
@@ -442,7 +445,15 @@ def _component_rows(session: Session, record_ids: list[int]) -> dict[int, list]:
     return by_record
 
 
-def _answer(key: str, row, components: dict[int, list], url_for: UrlFor) -> ResolveHit | ResolveMiss:
+def _blob_refs(rows: Iterable, components: dict[int, list]) -> list[BlobRef]:
+    refs = []
+    for row in rows:
+        refs.append((row.owner, row.name, row.artifact_digest))
+        refs += [(row.owner, row.name, c.digest) for c in components.get(row.id, [])]
+    return refs
+
+
+def _answer(key: str, row, components: dict[int, list], urls: dict[BlobRef, str]) -> ResolveHit | ResolveMiss:
     if row is None:
         return ResolveMiss(key=key)
     return ResolveHit(
@@ -457,9 +468,9 @@ def _answer(key: str, row, components: dict[int, list], url_for: UrlFor) -> Reso
             href=f"/v1/repos/{row.owner}/{row.name}/compiled-graphs/{row.key}",
         ),
         artifact=DownloadRef(digest=row.artifact_digest, size=row.artifact_size,
-                             url=url_for(row.owner, row.name, row.artifact_digest)),
+                             url=urls[(row.owner, row.name, row.artifact_digest)]),
         components=[
-            ComponentDownload(name=c.name, digest=c.digest, size=c.size, url=url_for(row.owner, row.name, c.digest))
+            ComponentDownload(name=c.name, digest=c.digest, size=c.size, url=urls[(row.owner, row.name, c.digest)])
             for c in components.get(row.id, [])
         ],
     )
