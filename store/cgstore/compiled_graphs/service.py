@@ -29,20 +29,15 @@ from cgstore_client.wire.records import (
     Artifact,
     Axes,
     Binding,
-    ComponentDownload,
     ComponentRef,
-    DownloadRef,
     Evidence,
     LayoutStamp,
     Manifest,
     PublishAnswer,
     Publisher,
     Record,
-    RecordFacts,
     RecordPage,
     ResolveAnswer,
-    ResolveHit,
-    ResolveMiss,
     ResolveRequest,
     ToolchainAxis,
     Yank,
@@ -55,7 +50,7 @@ from cgstore.blobs.models import Blob, RepoBlob
 from cgstore.compiled_graphs import admission
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.core.context import StoreContext
-from cgstore.core.db import utcnow
+from cgstore.core.db import in_values, utcnow
 from cgstore.core.errors import (
     BadRequest,
     BlobReferenceUnknown,
@@ -396,7 +391,7 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for
             # The artifact's blob row must exist: a record never resolves to bytes the database lacks.
             .join(Blob, Blob.digest == CompiledGraph.artifact_digest)
             .where(
-                CompiledGraph.key.in_(sorted(set(request.keys))),
+                in_values(session, CompiledGraph.key, sorted(set(request.keys))),
                 CompiledGraph.family == request.family,
                 CompiledGraph.yanked_at.is_(None),
                 CompiledGraph.health == HEALTH_OK,
@@ -407,7 +402,7 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for
     urls = urls_for(_blob_refs(best.values(), components))
     answers = [_answer(key, best.get(key), components, urls) for key in request.keys]
     _count(ctx, request.family, answers)
-    return ResolveAnswer(answers=answers)
+    return ResolveAnswer.model_validate({"answers": answers})
 
 
 def _best_readable(ctx: StoreContext, claims: Claims, candidates) -> dict[str, Any]:
@@ -453,37 +448,40 @@ def _blob_refs(rows: Iterable, components: dict[int, list]) -> list[BlobRef]:
     return refs
 
 
-def _answer(key: str, row, components: dict[int, list], urls: dict[BlobRef, str]) -> ResolveHit | ResolveMiss:
+def _answer(key: str, row, components: dict[int, list], urls: dict[BlobRef, str]) -> dict[str, Any]:
+    """One answer as plain data: the whole answer is validated once, in pydantic's core, not per hit."""
     if row is None:
-        return ResolveMiss(key=key)
-    return ResolveHit(
-        key=key,
-        repo=f"{row.owner}/{row.name}",
-        record=RecordFacts(
-            kind=row.kind, format=row.format, family=row.family, lane=row.lane, sm=row.sm, graph=row.graph_digest,
-            envelope_digest=row.envelope_digest, toolchain_digest=row.toolchain_digest,
-            layout=(LayoutStamp(display=row.layout_display, topology=row.layout_topology, quant=row.layout_quant)
-                    if row.layout_display is not None else None),
-            kernel_lane=row.kernel_lane, created_at=row.created_at,
-            href=f"/v1/repos/{row.owner}/{row.name}/compiled-graphs/{row.key}",
-        ),
-        artifact=DownloadRef(digest=row.artifact_digest, size=row.artifact_size,
-                             url=urls[(row.owner, row.name, row.artifact_digest)]),
-        components=[
-            ComponentDownload(name=c.name, digest=c.digest, size=c.size, url=urls[(row.owner, row.name, c.digest)])
+        return {"key": key, "status": "miss"}
+    layout = None
+    if row.layout_display is not None:
+        layout = {"display": row.layout_display, "topology": row.layout_topology, "quant": row.layout_quant}
+    return {
+        "key": key,
+        "status": "hit",
+        "repo": f"{row.owner}/{row.name}",
+        "record": {
+            "kind": row.kind, "format": row.format, "family": row.family, "lane": row.lane, "sm": row.sm,
+            "graph": row.graph_digest, "envelope_digest": row.envelope_digest,
+            "toolchain_digest": row.toolchain_digest, "layout": layout, "kernel_lane": row.kernel_lane,
+            "created_at": row.created_at, "href": f"/v1/repos/{row.owner}/{row.name}/compiled-graphs/{row.key}",
+        },
+        "artifact": {"digest": row.artifact_digest, "size": row.artifact_size,
+                     "url": urls[(row.owner, row.name, row.artifact_digest)]},
+        "components": [
+            {"name": c.name, "digest": c.digest, "size": c.size, "url": urls[(row.owner, row.name, c.digest)]}
             for c in components.get(row.id, [])
         ],
-    )
+    }
 
 
 _family_labels: set[str] = set()
 
 
-def _count(ctx: StoreContext, family: str, answers: list) -> None:
+def _count(ctx: StoreContext, family: str, answers: list[dict[str, Any]]) -> None:
     if family not in _family_labels and len(_family_labels) < MAX_FAMILY_LABELS:
         _family_labels.add(family)
     label = family if family in _family_labels else "_other"
-    hits = sum(1 for answer in answers if answer.status == "hit")
+    hits = sum(1 for answer in answers if answer["status"] == "hit")
     if hits:
         ctx.metrics.resolve_answers.labels(label, "hit").inc(hits)
     if len(answers) - hits:
