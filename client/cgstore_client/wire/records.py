@@ -175,7 +175,12 @@ class ComponentDownload(DownloadRef):
 
 
 class RecordFacts(_Wire):
-    """What a booting worker needs of a hit; the full record is one GET away (``href``)."""
+    """What a booting worker needs of a hit; the full record is one GET away (``href``).
+
+    Deliberately small (a resolve answers up to 256 of these): the kernel-lane
+    verdict, input contract and binding table travel inside the archive the
+    worker downloads anyway, and in the full record.
+    """
 
     kind: str
     format: str
@@ -186,7 +191,6 @@ class RecordFacts(_Wire):
     envelope_digest: str
     toolchain_digest: str
     layout: LayoutStamp | None
-    kernel_lane: dict[str, Any] | None
     created_at: dt.datetime
     href: str
 

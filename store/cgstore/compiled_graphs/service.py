@@ -373,7 +373,7 @@ _RESOLVE_COLUMNS = (
     CompiledGraph.id, CompiledGraph.key, CompiledGraph.kind, CompiledGraph.format, CompiledGraph.family,
     CompiledGraph.lane, CompiledGraph.sm, CompiledGraph.graph_digest, CompiledGraph.envelope_digest,
     CompiledGraph.toolchain_digest, CompiledGraph.layout_display, CompiledGraph.layout_topology,
-    CompiledGraph.layout_quant, CompiledGraph.kernel_lane, CompiledGraph.created_at, CompiledGraph.publisher,
+    CompiledGraph.layout_quant, CompiledGraph.created_at, CompiledGraph.publisher,
     CompiledGraph.artifact_digest, CompiledGraph.artifact_size,
     Repo.owner, Repo.name, Repo.visibility,
 )
@@ -462,7 +462,7 @@ def _answer(key: str, row, components: dict[int, list], urls: dict[BlobRef, str]
         "record": {
             "kind": row.kind, "format": row.format, "family": row.family, "lane": row.lane, "sm": row.sm,
             "graph": row.graph_digest, "envelope_digest": row.envelope_digest,
-            "toolchain_digest": row.toolchain_digest, "layout": layout, "kernel_lane": row.kernel_lane,
+            "toolchain_digest": row.toolchain_digest, "layout": layout,
             "created_at": row.created_at, "href": f"/v1/repos/{row.owner}/{row.name}/compiled-graphs/{row.key}",
         },
         "artifact": {"digest": row.artifact_digest, "size": row.artifact_size,
