@@ -1,7 +1,7 @@
 """Compiled-graph records and their named components.
 
 Revision ID: 0005_records
-Revises: 0001_foundation
+Revises: 0003_audit
 Create Date: 2026-12-03
 
 Reviewed by hand against store/cgstore/compiled_graphs/models.py. Runs on
@@ -17,7 +17,7 @@ from alembic import op
 from cgstore.core.db import UTCDateTime
 
 revision = "0005_records"
-down_revision = "0001_foundation"
+down_revision = "0003_audit"
 branch_labels = None
 depends_on = None
 

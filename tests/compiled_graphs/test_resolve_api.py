@@ -134,7 +134,7 @@ def test_principal_repo_shows_a_reader_only_their_own_records(store, pt2_archive
 
 def test_yank_is_admin_only_audited_misses_and_the_key_can_be_minted_again(store, published):
     name, token, pub = published
-    admin = store.mint("admin", f"acme/{name}:admin")
+    admin = store.mint("admin", "*/*:admin")
     with store.client(token) as client:
         denied = client.post(f"{pub.path('acme', name)}:yank", json={"reason": "bad numerics"})
         assert denied.status_code == 403 and error_code(denied) == "DENIED"

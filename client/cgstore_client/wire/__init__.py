@@ -1,6 +1,5 @@
-"""Wire types of the protocol: request and response bodies, shared by the store and its client.
+"""Wire types: the request and response bodies of the protocol, shared by the store and its clients.
 
-The store's routers use these as FastAPI request/response models (so the
-served OpenAPI schema is exactly these types); the client parses answers with
-them. pydantic v2 only: nothing here imports FastAPI, SQLAlchemy or boto3.
+Pydantic v2 models only (no FastAPI, SQLAlchemy or boto3): the server imports
+them to parse and answer, a client to build and read.
 """

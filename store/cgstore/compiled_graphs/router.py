@@ -23,10 +23,10 @@ from cgstore_client.wire.records import (
 )
 
 from cgstore.compiled_graphs import service
-from cgstore.core.auth import require_claims
-from cgstore.core.context import StoreContext, get_context
+from cgstore.context import StoreContext, get_context
 from cgstore.core.http import json_body, read_json
-from cgstore.tokens.service import Claims
+from cgstore.tokens.claims import Claims
+from cgstore.tokens.dependencies import require_claims
 
 repo_router = APIRouter(prefix="/v1/repos/{owner}/{repo}/compiled-graphs", tags=["compiled-graphs"])
 resolve_router = APIRouter(prefix="/v1", tags=["compiled-graphs"])

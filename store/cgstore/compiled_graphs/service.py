@@ -45,16 +45,16 @@ from cgstore_client.wire.records import (
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from cgstore import access
 from cgstore.audit.service import record as audit
 from cgstore.blobs.models import Blob, RepoBlob
 from cgstore.compiled_graphs import admission
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
-from cgstore.core.context import StoreContext
+from cgstore.context import StoreContext
 from cgstore.core.db import in_values, utcnow
 from cgstore.core.errors import (
     BadRequest,
     BlobReferenceUnknown,
-    Denied,
     KeyConflict,
     KeyInvalid,
     NameUnknown,
@@ -64,9 +64,8 @@ from cgstore.core.errors import (
 )
 from cgstore.core.names import ROOT_OWNER, validate_owner, validate_repo
 from cgstore.repos.models import Repo
-from cgstore.repos.service import find_repo, readable_repo
-from cgstore.tokens.grants import ADMIN
-from cgstore.tokens.service import Claims
+from cgstore.repos.service import find_repo, readable_repo, write_decision
+from cgstore.tokens.claims import Claims
 
 ACTION_PUBLISH = "compiled_graph.publish"
 ACTION_YANK = "compiled_graph.yank"
@@ -103,7 +102,8 @@ def publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, 
 
 
 def _publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, manifest: Manifest) -> Published:
-    ctx.tokens.can_write(claims, owner, repo)
+    with ctx.db.session() as session:
+        write_decision(session, claims, owner, repo).enforce()
     derived = admission.check_manifest(key, manifest)
     with ctx.db.session() as session:
         target = find_repo(session, owner, repo)
@@ -249,7 +249,7 @@ def _publish_answer(target: Repo, row: CompiledGraph, status: str) -> PublishAns
 
 
 def _readable(session: Session, ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str | None) -> Repo:
-    return readable_repo(session, ctx.tokens, claims, owner, repo, NameUnknown, "no such compiled graph",
+    return readable_repo(session, claims, owner, repo, NameUnknown, "no such compiled graph",
                          **({"key": key[:120]} if key else {}))
 
 
@@ -348,8 +348,7 @@ def yank(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, rea
     """Admin only: the live record stops resolving (kept for audit); the key may be published again."""
     validate_owner(owner)
     validate_repo(repo)
-    if not claims.allows(owner, repo, ADMIN):
-        raise Denied(f"yanking needs the admin action on {owner}/{repo}", repo=f"{owner}/{repo}")
+    access.is_admin(claims).enforce()
     with ctx.db.session() as session:
         target = find_repo(session, owner, repo)
         live = _live_record(session, target.id, key) if target is not None and is_key(key) else None
@@ -412,7 +411,7 @@ def _best_readable(ctx: StoreContext, claims: Claims, candidates) -> dict[str, A
     for row in candidates:
         repo = (row.owner, row.name)
         if repo not in readable:
-            readable[repo] = ctx.tokens.can_read(claims, row.owner, row.name)
+            readable[repo] = access.can_read(claims, row.owner, row.name).allowed
         if not readable[repo] or (row.visibility == "principal" and row.publisher != claims.sub):
             continue
         current = best.get(row.key)

@@ -6,7 +6,7 @@ import logging
 
 from cgstore_client.wire.records import MAX_RESOLVE_KEYS
 
-from cgstore.core.context import StoreContext
+from cgstore.context import StoreContext
 
 log = logging.getLogger(__name__)
 
