@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from sqlalchemy import event, select, update
+from sqlalchemy import event, select
 
 from cgstore.audit.models import AuditEvent
-from cgstore.repos.models import Repo
 
 from cgstore_client.wire.records import MAX_RESOLVE_KEYS, Record, RecordPage, ResolveAnswer
 from tests.compiled_graphs.support import FAMILY, error_code, publication, publish
@@ -116,20 +115,22 @@ def test_unreadable_tenant_record_answers_exactly_like_an_absent_key(store, publ
 
 def test_principal_repo_shows_a_reader_only_their_own_records(store, pt2_archive, report_a, constants_a):
     name = unique_repo()
+    manager = store.mint("ops", f"acme/{name}:admin")
     writer = store.mint("release-a", f"acme/{name}:read,write")
     reader = store.mint("release-b", f"acme/{name}:read")
+    with store.client(manager) as client:
+        created = client.put(f"/v1/repos/acme/{name}", json={"visibility": "principal"})
+        assert created.status_code == 201, created.text
     pub = publication(pt2_archive, report_a, components={"consts": constants_a},
                       envelope={"shapes": [[16, 16]], "text_len": 3, "guidance": [unique_guidance()]})
     with store.client(writer) as client:
         assert publish(client, "acme", name, pub).status_code == 201
-    # No endpoint sets visibility yet (another feature's work): set the column it will set.
-    with store.context.db.session() as session:
-        session.execute(update(Repo).where(Repo.owner == "acme", Repo.name == name).values(visibility="principal"))
-    with store.client(writer) as client:
         assert resolve(client, [pub.key]).json()["answers"][0]["status"] == "hit"
+        assert client.get(pub.path("acme", name)).status_code == 200
     with store.client(reader) as client:
-        assert resolve(client, [pub.key]).json()["answers"][0]["status"] == "miss"
+        assert resolve(client, [pub.key]).json()["answers"][0] == {"key": pub.key, "status": "miss"}
         assert client.get(pub.path("acme", name)).status_code == 404
+        assert client.get(f"/v1/repos/acme/{name}/compiled-graphs").json()["records"] == []
 
 
 def test_yank_is_admin_only_audited_misses_and_the_key_can_be_minted_again(store, published):
