@@ -1,9 +1,9 @@
-"""The ``cgstore`` command: serve, migrate, tokens and the key ring, reclaim abandoned uploads.
+"""The ``cgstore`` command: serve, migrate, tokens and the key ring, principals, uploads, the audit log.
 
-The token and key commands work on the database directly (an operator on the
-store's host); every change they make is audited with actor ``cli``, in the
-same transaction. They never print a private key, and print a token only when
-they mint it.
+The token, key and principal commands work on the database directly (an
+operator on the store's host); every change they make is audited with actor
+``cli``, in the same transaction. They never print a private key, and print a
+token only when they mint it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from cgstore.audit.cli import audit_command
 from cgstore.core.errors import StoreError
 from cgstore.core.private import UMASK, private_dir
 from cgstore.settings import Settings
@@ -205,6 +206,9 @@ def uploads_reap() -> None:
     from cgstore.blobs.service import reap_expired_sessions
 
     typer.echo(f"reaped {reap_expired_sessions(build_context(Settings()))} sessions")
+
+
+app.command("audit")(audit_command(parse_duration))
 
 
 if __name__ == "__main__":

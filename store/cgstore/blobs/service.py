@@ -155,6 +155,7 @@ def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: in
             jti=claims.jti,
             action=action,
             target=f"{target.owner}/{target.name}@{digest}",
+            repo=f"{target.owner}/{target.name}",
             detail={"size": size, "new_link": linked, **detail},
         )
 

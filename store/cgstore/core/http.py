@@ -4,8 +4,8 @@
 responses: ``StoreError`` subclasses carry their protocol code and status;
 database and storage outages become 503 ``UNAVAILABLE`` with ``Retry-After``;
 request validation failures become 400 with the protocol's error body. Refusals
-(401, 403, and 404s that hide a denial) go to the ``on_denial`` hook the app
-registers (the audit), so ``core`` depends on no feature.
+(401, 403, and 404s that hide a denial) are handed to the ``on_denial`` hook the
+app installs (the audit feature's), so ``core`` imports no feature.
 
 Request bodies are read here too, always on the event loop (``feed_body``):
 a client that stalls mid-body costs a connection and at most one batch of
@@ -59,10 +59,12 @@ def _is_denial(err: StoreError) -> bool:
     return err.status in (401, 403) or err.hides_denial
 
 
-def install_error_handlers(app: FastAPI, on_denial: DenialHook) -> None:
+def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) -> None:
+    """Map every error to the protocol's body; refusals also go to ``on_denial`` (the audit)."""
+
     @app.exception_handler(StoreError)
     async def store_error(request: Request, err: StoreError) -> JSONResponse:
-        if _is_denial(err):
+        if on_denial is not None and _is_denial(err):
             await on_denial(request, err)
         if isinstance(err, Unavailable):
             # The cause (paths, endpoints) is for the operator's log, never the client's body.

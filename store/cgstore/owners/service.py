@@ -107,9 +107,8 @@ def claim_owner(db: Database, claims: Claims, slug: object) -> OwnerInfo:
 
 
 def _audit_refused_claim(db: Database, claims: Claims, slug: object, err: Conflict | NameInvalid) -> None:
-    # ascii() escapes homoglyphs and control bytes: the row shows exactly what was tried.
-    shown = ascii(slug) if isinstance(slug, str) else f"<{type(slug).__name__}>"
+    # The audit escapes control bytes and bounds the length: the row shows exactly what was tried.
     record_denial(
-        db, actor=claims.sub, jti=claims.jti, action="owner.claim", target=shown[:300], outcome=err.code,
+        db, actor=claims.sub, jti=claims.jti, action="owner.claim", target=str(slug), outcome=err.code,
         detail={"message": err.message},
     )
