@@ -1,7 +1,7 @@
 """Audit, complete: filterable columns, aggregate counts, indexes, and append-only triggers.
 
 Revision ID: 0003_audit
-Revises: 0001_foundation
+Revises: 0002_trust
 Create Date: 2026-12-03
 
 Adds to ``audit_events``: ``repo`` (``owner/repo`` an entry concerns),

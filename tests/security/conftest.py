@@ -23,17 +23,18 @@ def code(response) -> str:
 
 
 def audited(store, outcome: str, *, target: str | None = None, jti: str | None = None) -> list[AuditEvent]:
-    """Audit rows with ``outcome`` that mention ``target`` (target or sampled paths) and/or carry ``jti``.
+    """Audit rows with ``outcome`` whose target contains ``target`` and/or whose jti is ``jti``.
 
-    401s are counted in memory and written as aggregates (audit/denials.py):
-    flushed first, so a test sees its own refusal without waiting an interval.
+    401s are counted in memory and written as one row per source and interval
+    (``audit/denials.py``): flush them first, and look for the target among the
+    aggregated row's paths too.
     """
     store.context.denials.flush()
     with store.context.db.session() as session:
         rows = session.scalars(select(AuditEvent).where(AuditEvent.outcome == outcome)).all()
     return [
         row for row in rows
-        if (target is None or target in row.target or target in json.dumps(row.detail.get("paths", [])))
+        if (target is None or target in row.target or any(target in p for p in (row.detail or {}).get("paths", [])))
         and (jti is None or row.jti == jti)
     ]
 

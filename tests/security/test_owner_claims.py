@@ -46,6 +46,7 @@ def test_claiming_a_look_alike_of_root(store, slug):
     assert answer.status_code == 400 and code(answer) == "NAME_INVALID"
     rows = audited(store, "NAME_INVALID", jti=minted.jti)
     assert rows and rows[0].target == clean(slug, TARGET_LEN) and rows[0].action == "owner.claim"
+    assert rows[0].target.isascii()  # a homoglyph shows as the code point it is
 
 
 def test_claiming_a_taken_owner(store):

@@ -58,7 +58,7 @@ DETAIL_JSON_BYTES = 8 * 1024
 
 DEFAULT_PAGE = 100
 
-_NEEDS_ESCAPE = re.compile("[\\\\\x00-\x1f\x7f\ud800-\udfff]")
+_NEEDS_ESCAPE = re.compile("[\\\\\x00-\x1f\x7f-\U0010ffff]")
 
 
 def _escape_char(match: re.Match[str]) -> str:
@@ -68,13 +68,16 @@ def _escape_char(match: re.Match[str]) -> str:
     code = ord(char)
     if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte, as ``surrogateescape`` carries it
         return f"\\x{code - 0xDC00:02x}"
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def clean(value: object, limit: int) -> str:
     """``value`` as text any database stores: escaped, and at most ``limit`` characters.
 
-    Bytes that are not UTF-8 become ``\\xNN``; a value cut short ends with
+    Non-ASCII becomes ``\\uNNNN`` (a homoglyph never passes for ASCII), bytes that are
+    not UTF-8 ``\\xNN``; a value cut short ends with
     ``…[cut from N chars]`` so a reader knows it was.
     """
     text = value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
@@ -238,7 +241,7 @@ def read_page(
     db: Database, claims: Claims, where: AuditFilter, cursor: str | None, limit: int, newest_first: bool = False
 ) -> AuditPage:
     """``GET /v1/audit``: one page for an admin."""
-    is_admin(claims).enforce()  # the registry-wide admin grant, */*:admin
+    is_admin(claims).enforce()
     after = parse_cursor(cursor)
     with db.session() as session:
         events, next_id = list_events(session, where, after=after, limit=limit, newest_first=newest_first)

@@ -107,8 +107,9 @@ def claim_owner(db: Database, claims: Claims, slug: object) -> OwnerInfo:
 
 
 def _audit_refused_claim(db: Database, claims: Claims, slug: object, err: Conflict | NameInvalid) -> None:
-    # The audit escapes control bytes and bounds the length: the row shows exactly what was tried.
+    # The audit escapes every non-ASCII and control character: the row shows exactly what was tried.
+    shown = slug if isinstance(slug, str) else f"<{type(slug).__name__}>"
     record_denial(
-        db, actor=claims.sub, jti=claims.jti, action="owner.claim", target=str(slug), outcome=err.code,
+        db, actor=claims.sub, jti=claims.jti, action="owner.claim", target=shown, outcome=err.code,
         detail={"message": err.message},
     )
