@@ -56,16 +56,20 @@ def test_filters(store, admin, activity):
     with store.client(admin) as client:
         mine = _page(client, repo=f"acme/{name}").entries
         assert [(e.actor, e.action, e.outcome) for e in mine] == [
+            ("alice", "repo.create", "ok"),  # the mount's first write created the repo
             ("alice", "blob.mount", "ok"),
             *[("mallory", "PUT /v1/repos/{owner}/{repo}/blobs/{digest}", "DENIED")] * 3,
         ]
-        assert mine[0].target == f"acme/{name}@{digest}" and mine[0].detail["source"] == f"acme/{other}"
-        assert mine[0].jti and mine[-1].source == "127.0.0.1" and all(e.count == 1 for e in mine)
+        mount = mine[1]
+        assert mount.target == f"acme/{name}@{digest}" and mount.detail["source"] == f"acme/{other}"
+        assert mount.jti and mine[-1].source == "127.0.0.1" and all(e.count == 1 for e in mine)
         assert [e.outcome for e in _page(client, repo=f"acme/{name}", outcome="DENIED").entries] == ["DENIED"] * 3
-        assert [e.action for e in _page(client, repo=f"acme/{other}", actor="alice").entries] == ["blob.upload"]
-        assert _page(client, repo=f"acme/{name}", actor="alice", action="blob.*").entries == mine[:1]
+        assert [e.action for e in _page(client, repo=f"acme/{other}", actor="alice").entries] == [
+            "repo.create", "blob.upload",
+        ]
+        assert _page(client, repo=f"acme/{name}", actor="alice", action="blob.*").entries == [mount]
         assert _page(client, repo=f"acme/{name}", action="blob.upload").entries == []
-        assert _page(client, repo=f"acme/{name}", jti=mine[0].jti).entries == mine[:1]
+        assert _page(client, repo=f"acme/{name}", jti=mount.jti).entries == mine[:2]
 
 
 def test_time_range(store, admin, activity):
@@ -95,7 +99,7 @@ def test_keyset_pages_cover_everything_once(store, admin, activity, order):
                 break
             cursor = page.next_cursor
     ids = [e.id for e in everything]
-    assert ids == sorted(ids, reverse=order == "desc") and len(ids) == 4
+    assert ids == sorted(ids, reverse=order == "desc") and len(ids) == 5  # repo.create, mount, three denials
     assert [e.id for e in seen] == ids
 
 

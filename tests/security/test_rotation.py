@@ -39,6 +39,13 @@ def mint_over_http(live, admin: str, name: str) -> str:
     return answer.json()["token"]
 
 
+def mint_over_http_admin(live, admin: str) -> str:
+    with live.client(admin) as client:
+        answer = client.post("/v1/tokens", json={"sub": "ops", "grants": [{"repo": "*/*", "actions": ["admin"]}], "ttl_s": 600})
+    assert answer.status_code == 201
+    return answer.json()["token"]
+
+
 def works(live, token: str, name: str) -> int:
     with live.client(token) as client:
         return client.post(f"/v1/repos/acme/{name}/preflight").status_code
@@ -83,13 +90,6 @@ def test_rotate_and_retire_without_restart(make_store, configuration):
     listing = cli(live, "keys", "list")
     assert kid1 in listing and kid2 in listing and "-----BEGIN" not in listing
     assert audited(live, "ok", target=kid2) and audited(live, "ok", target=kid1)  # key.rotate, key.retire
-
-
-def mint_over_http_admin(live, admin: str) -> str:
-    with live.client(admin) as client:
-        answer = client.post("/v1/tokens", json={"sub": "ops", "grants": [{"repo": "*/*", "actions": ["admin"]}], "ttl_s": 600})
-    assert answer.status_code == 201
-    return answer.json()["token"]
 
 
 def test_a_token_verifies_with_only_the_jwks(store):
