@@ -66,6 +66,10 @@ def test_filters(store, admin, activity):
         assert _page(client, repo=f"acme/{name}", actor="alice", action="blob.*").entries == mine[:1]
         assert _page(client, repo=f"acme/{name}", action="blob.upload").entries == []
         assert _page(client, repo=f"acme/{name}", jti=mine[0].jti).entries == mine[:1]
+        assert _page(client, target=f"acme/{name}@*").entries == mine[:1]
+        assert _page(client, target=f"acme/{name}@{digest}").entries == mine[:1]
+        assert _page(client, target=f"acme/{name}@").entries == []  # exact unless it ends in '*'
+        assert len(_page(client, target=f"/v1/repos/acme/{name}/*").entries) == 3
 
 
 def test_time_range(store, admin, activity):

@@ -171,14 +171,16 @@ def record_denial(db: Database, **fields: Any) -> None:
 class AuditFilter:
     """What ``GET /v1/audit`` and ``cgstore audit`` select. ``None`` means "any".
 
-    ``action`` ending in ``*`` matches by prefix (``token.*``); every other
-    filter matches exactly, compared in the stored (cleaned) form.
+    ``action`` and ``target`` ending in ``*`` match by prefix (``token.*``,
+    ``acme/models@*``); every other filter matches exactly. Values are
+    compared in the stored (cleaned) form.
     """
 
     actor: str | None = None
     jti: str | None = None
     repo: str | None = None
     action: str | None = None
+    target: str | None = None
     outcome: str | None = None
     source: str | None = None
     since: dt.datetime | None = None
@@ -209,11 +211,14 @@ def list_events(
     ):
         if value is not None:
             query = query.where(column == clean(value, bound))
-    if where.action is not None:
-        if where.action.endswith("*"):
-            query = query.where(AuditEvent.action.startswith(clean(where.action[:-1], ACTION_LEN), autoescape=True))
-        else:
-            query = query.where(AuditEvent.action == clean(where.action, ACTION_LEN))
+    for column, value, bound in (
+        (AuditEvent.action, where.action, ACTION_LEN),
+        (AuditEvent.target, where.target, TARGET_LEN),
+    ):
+        if value is not None and value.endswith("*"):
+            query = query.where(column.startswith(clean(value[:-1], bound), autoescape=True))
+        elif value is not None:
+            query = query.where(column == clean(value, bound))
     if where.since is not None:
         query = query.where(AuditEvent.at >= where.since)
     if where.until is not None:
