@@ -7,10 +7,11 @@ because the refused request's own work is rolled back. Repeated 401s are
 not written one by one: ``audit.denials`` aggregates them.
 
 Every string is stored through ``clean``: backslashes, control characters
-(NUL included) and lone surrogates are escaped (``\\x00``, ``\\ud800``), and
-the result is cut to its column's bound with a marker. PostgreSQL refuses NUL
-in text and surrogates in UTF-8, so without this a hostile path would make the
-insert fail and the denial would go unrecorded.
+(NUL included), every non-ASCII character and lone surrogates are escaped
+(``\\x00``, ``\\u043e``, ``\\ud800``), and the result is cut to its column's
+bound with a marker. PostgreSQL refuses NUL in text and surrogates in UTF-8,
+so without this a hostile path would make the insert fail and the denial
+would go unrecorded.
 
 Reading: ``list_events`` filters on the indexed columns and pages by id (keyset).
 There is deliberately no update or delete here (the migration adds triggers
