@@ -16,7 +16,8 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from tests.security.conftest import audited, code
+from tests.security.conftest import code
+from tests.support.audit import audited
 from tests.support.live_store import CONFIGURATIONS, unique_repo
 
 CGSTORE = [sys.executable, "-m", "cgstore.cli"]
