@@ -70,8 +70,6 @@ from cgstore.tokens.claims import Claims
 
 ACTION_PUBLISH = "compiled_graph.publish"
 ACTION_YANK = "compiled_graph.yank"
-#: Distinct family labels one process gives the resolve metric; later families count as ``_other``.
-MAX_FAMILY_LABELS = 100
 
 #: A blob of a repo: ``(owner, repo, digest)``.
 BlobRef = tuple[str, str, str]
@@ -491,15 +489,6 @@ def _answer(key: str, row, components: dict[int, list], urls: dict[BlobRef, str]
     }
 
 
-_family_labels: set[str] = set()
-
-
 def _count(ctx: StoreContext, family: str, answers: list[dict[str, Any]]) -> None:
-    if family not in _family_labels and len(_family_labels) < MAX_FAMILY_LABELS:
-        _family_labels.add(family)
-    label = family if family in _family_labels else "_other"
     hits = sum(1 for answer in answers if answer["status"] == "hit")
-    if hits:
-        ctx.metrics.resolve_answers.labels(label, "hit").inc(hits)
-    if len(answers) - hits:
-        ctx.metrics.resolve_answers.labels(label, "miss").inc(len(answers) - hits)
+    ctx.metrics.count_resolve(family, hits, len(answers) - hits)
