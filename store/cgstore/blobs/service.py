@@ -35,6 +35,7 @@ from cgstore.core.errors import (
     SizeInvalid,
     TooLarge,
 )
+from cgstore.core.names import split_repo_path
 from cgstore.repos.models import Repo
 from cgstore.repos.service import readable_repo, writable_repo
 from cgstore.storage import StagedUpload
@@ -42,6 +43,10 @@ from cgstore.storage.hashing import VerifyOnlyWriter
 from cgstore.tokens.service import Claims
 
 MAX_MISSING_QUERY = 1024
+# What ``open_session`` hands out (a uuid4 as 32 lowercase hex). Anything else
+# cannot name a session, so it is refused before it reaches a query: bytes such
+# as NUL, which PostgreSQL refuses in text, must never get that far.
+SESSION_ID_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)  # used with fullmatch
 
 
 def validate_digest(digest: str) -> str:
@@ -158,7 +163,7 @@ def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: in
 def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, source: str) -> int:
     """Link a blob the caller can read in ``source`` into ``owner/repo`` without re-upload."""
     validate_digest(digest)
-    source_owner, _, source_repo = source.partition("/")
+    source_owner, source_repo = split_repo_path(source)
     with ctx.db.session() as session:
         target = writable_repo(session, ctx.tokens, claims, owner, repo)
     location = locate(ctx, claims, source_owner, source_repo, digest)
@@ -175,7 +180,7 @@ def _expiry(ctx: StoreContext) -> dt.datetime:
 def open_session(ctx: StoreContext, claims: Claims, owner: str, repo: str) -> str:
     with ctx.db.session() as session:
         target = writable_repo(session, ctx.tokens, claims, owner, repo)
-    session_id = uuid.uuid4().hex
+    session_id = uuid.uuid4().hex  # of the SESSION_ID_RE grammar
     staged = ctx.storage.stage_begin(session_id)
     with ctx.db.session() as session:
         session.add(
@@ -193,12 +198,17 @@ def open_session(ctx: StoreContext, claims: Claims, owner: str, repo: str) -> st
 
 
 def _find_session(ctx: StoreContext, claims: Claims, owner: str, repo: str, session_id: str) -> UploadSession:
-    """The caller's own live session in this repo; anything else is ``BLOB_UPLOAD_UNKNOWN``."""
+    """The caller's own live session in this repo; anything else is ``BLOB_UPLOAD_UNKNOWN``.
+
+    An id outside the session-id grammar answers exactly like an unknown one.
+    """
     with ctx.db.session() as session:
         target = writable_repo(session, ctx.tokens, claims, owner, repo)
-        found = session.get(UploadSession, session_id) if len(session_id) <= 64 else None
+        well_formed = SESSION_ID_RE.fullmatch(session_id) is not None
+        found = session.get(UploadSession, session_id) if well_formed else None
     if found is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():
-        raise BlobUploadUnknown("no such upload session", session=session_id[:64])
+        # ascii(): a refused id is echoed escaped (no NUL, no raw non-ASCII) and bounded.
+        raise BlobUploadUnknown("no such upload session", session=ascii(session_id)[1:-1][:64])
     return found
 
 
