@@ -36,8 +36,7 @@ from cgstore.core.errors import (
     TooLarge,
 )
 from cgstore.core.names import split_repo_path
-from cgstore.repos.models import Repo
-from cgstore.repos.service import readable_repo, writable_repo
+from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload
 from cgstore.storage.hashing import VerifyOnlyWriter
 from cgstore.tokens.service import Claims
@@ -99,7 +98,7 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
         validate_digest(digest)
     with ctx.db.session() as session:
         target = writable_repo(session, ctx.tokens, claims, owner, repo)
-        linked = set(
+        linked = set() if target is None else set(
             session.scalars(
                 select(RepoBlob.digest).where(RepoBlob.repo_id == target.id, RepoBlob.digest.in_(set(digests)))
             )
@@ -122,7 +121,7 @@ def upload(
     validate_digest(digest)
     _check_size_limit(ctx, declared_size)
     with ctx.db.session() as session:
-        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        writable_repo(session, ctx.tokens, claims, owner, repo)
         already_stored = session.get(Blob, digest) is not None
     # The writer checks size (as soon as too many bytes arrive), the store's limit and the digest.
     if already_stored:
@@ -133,7 +132,7 @@ def upload(
         for chunk in chunks:
             writer.write(chunk)
         size = writer.commit()
-    _link(ctx, claims, target, digest, size, action="blob.upload")
+    _link(ctx, claims, owner, repo, digest, size, action="blob.upload")
     return size
 
 
@@ -142,8 +141,12 @@ def _check_size_limit(ctx: StoreContext, size: int | None) -> None:
         raise TooLarge(f"blobs are at most {ctx.settings.max_blob_bytes} bytes", limit=ctx.settings.max_blob_bytes)
 
 
-def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: int, action: str, **detail) -> None:
+def _link(
+    ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, size: int, action: str, **detail
+) -> None:
+    """Record a verified write: the blob, its link, the repo if this is its first write, the audit."""
     with ctx.db.session() as session:
+        target = ensure_repo(session, claims, owner, repo)
         insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=utcnow())
         linked = insert_ignoring_conflicts(
             session, RepoBlob, repo_id=target.id, digest=digest, linked_by=claims.sub, created_at=utcnow()
@@ -165,9 +168,9 @@ def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str,
     validate_digest(digest)
     source_owner, source_repo = split_repo_path(source)
     with ctx.db.session() as session:
-        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        writable_repo(session, ctx.tokens, claims, owner, repo)
     location = locate(ctx, claims, source_owner, source_repo, digest)
-    _link(ctx, claims, target, digest, location.size, action="blob.mount", source=source)
+    _link(ctx, claims, owner, repo, digest, location.size, action="blob.mount", source=source)
     return location.size
 
 
@@ -178,8 +181,11 @@ def _expiry(ctx: StoreContext) -> dt.datetime:
 
 
 def open_session(ctx: StoreContext, claims: Claims, owner: str, repo: str) -> str:
+    """Open a resumable upload. It is the start of a write into the repo, whose row
+    the session references, so a repo with no blob yet comes into being here."""
     with ctx.db.session() as session:
-        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        writable_repo(session, ctx.tokens, claims, owner, repo)
+        target = ensure_repo(session, claims, owner, repo)
     session_id = uuid.uuid4().hex  # of the SESSION_ID_RE grammar
     staged = ctx.storage.stage_begin(session_id)
     with ctx.db.session() as session:
@@ -206,7 +212,7 @@ def _find_session(ctx: StoreContext, claims: Claims, owner: str, repo: str, sess
         target = writable_repo(session, ctx.tokens, claims, owner, repo)
         well_formed = SESSION_ID_RE.fullmatch(session_id) is not None
         found = session.get(UploadSession, session_id) if well_formed else None
-    if found is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():
+    if found is None or target is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():
         # ascii(): a refused id is echoed escaped (no NUL, no raw non-ASCII) and bounded.
         raise BlobUploadUnknown("no such upload session", session=ascii(session_id)[1:-1][:64])
     return found
@@ -280,9 +286,7 @@ def commit_session(
         _forget_session(ctx, found.id)
         raise
     _forget_session(ctx, found.id)
-    with ctx.db.session() as session:
-        target = session.get(Repo, found.repo_id)
-    _link(ctx, claims, target, digest, size, action="blob.upload", session=found.id)
+    _link(ctx, claims, owner, repo, digest, size, action="blob.upload", session=found.id)
     return size
 
 

@@ -2,8 +2,10 @@
 
 Reads of a repo the caller may not read look exactly like reads of a repo that
 does not exist (the caller gets None, and raises the same miss either way).
-Writes check the token's grant and the root gate, and create the repo on the
-first write.
+Writes check the token's grant and the root gate. Checking never creates
+anything: a repo comes into being only with a successful write
+(``ensure_repo``, called in the transaction that records that write), so a
+refused or failed call leaves no repo behind.
 """
 
 from __future__ import annotations
@@ -47,9 +49,18 @@ def readable_repo(
     return repo
 
 
-def writable_repo(session: Session, tokens: TokenService, claims: Claims, owner: str, name: str) -> Repo:
-    """The repo ``claims`` may write, created (visibility ``owner``) on the first write."""
+def writable_repo(session: Session, tokens: TokenService, claims: Claims, owner: str, name: str) -> Repo | None:
+    """The repo ``claims`` may write, or None while it does not exist yet (nothing is created)."""
     tokens.can_write(claims, owner, name)  # validates both names first
+    return find_repo(session, owner, name)
+
+
+def ensure_repo(session: Session, claims: Claims, owner: str, name: str) -> Repo:
+    """The repo, created (visibility ``owner``) if absent: only for a write that succeeded.
+
+    The caller has already passed ``writable_repo``; it calls this in the same
+    transaction that records the write, so the repo and the write land together.
+    """
     repo = find_repo(session, owner, name)
     if repo is None:
         insert_ignoring_conflicts(
