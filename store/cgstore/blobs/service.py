@@ -231,15 +231,19 @@ def append(
     content_range: tuple[int, int] | None,
     chunks: Iterator[bytes],
 ) -> int:
-    """Stage one chunk; it must start at the committed offset. Returns the new offset."""
+    """Stage one chunk; it must start at the committed offset. Returns the new offset.
+
+    A refused chunk leaves the staged bytes exactly at the committed offset: its
+    length is checked inside the stream (storage then cuts back what it wrote),
+    and a chunk that loses the offset's compare-and-set is discarded.
+    """
     found = _find_session(ctx, claims, owner, repo, session_id)
     if content_range is not None and content_range[0] != found.offset:
         raise RangeInvalid("chunk does not start at the committed offset", offset=found.offset)
     expected = None if content_range is None else content_range[1] - content_range[0]
     counted = _counting(chunks, found.offset, expected, ctx.settings.max_blob_bytes)
-    staged = ctx.storage.stage_append(StagedUpload(found.id, found.offset, found.storage_state), counted)
-    if expected is not None and staged.offset - found.offset != expected:
-        raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=staged.offset - found.offset)
+    before = StagedUpload(found.id, found.offset, found.storage_state)
+    staged = ctx.storage.stage_append(before, counted)
     with ctx.db.session() as session:
         # Compare-and-set on the offset: of two racing chunks at one offset, one wins.
         moved = session.execute(
@@ -248,11 +252,18 @@ def append(
             .values(offset=staged.offset, storage_state=staged.state, expires_at=_expiry(ctx))
         ).rowcount
     if not moved:
+        # Only on a definite loss: after an error the update may have landed.
+        ctx.storage.stage_discard(before, staged)
         raise RangeInvalid("another chunk was committed at this offset", offset=found.offset)
     return staged.offset
 
 
 def _counting(chunks: Iterator[bytes], offset: int, expected: int | None, limit: int) -> Iterator[bytes]:
+    """``chunks``, refused from within the stream when they break the chunk's length or the limit.
+
+    Raising here, while storage consumes the stream, is what lets storage cut
+    back the bytes it already wrote; a check after the append could not.
+    """
     received = 0
     for chunk in chunks:
         received += len(chunk)
@@ -261,6 +272,8 @@ def _counting(chunks: Iterator[bytes], offset: int, expected: int | None, limit:
         if offset + received > limit:
             raise TooLarge(f"blobs are at most {limit} bytes", limit=limit)
         yield chunk
+    if expected is not None and received != expected:
+        raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=received)
 
 
 def commit_session(

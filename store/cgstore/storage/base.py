@@ -95,14 +95,26 @@ class Storage(abc.ABC):
     def stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
         """Append a chunk (streamed) at ``staged.offset``; return the new state.
 
-        If the stream fails midway, the returned/persisted state must still
-        describe only fully staged chunks (the client retries from there).
+        If the stream fails midway (the client went away, or the caller's stream
+        raised because the chunk broke its declared length), nothing of this
+        append stays staged: the bytes it wrote are cut back or discarded
+        before the error propagates.
 
         Only the returned state names staged bytes. Callers record it by
         compare-and-set on the offset *after* this returns, so two appends from
         the same state may both run: neither may disturb the bytes the other's
         state names, and bytes named by no recorded state (a lost race, a
         crashed process) are reclaimed by ``stage_commit`` / ``stage_abort``.
+        """
+
+    @abc.abstractmethod
+    def stage_discard(self, before: StagedUpload, after: StagedUpload) -> None:
+        """Reclaim the bytes of an append that will never be recorded.
+
+        ``after`` is what ``stage_append(before, …)`` returned, and the caller's
+        compare-and-set refused it (another chunk won the offset). Bytes any other
+        state may name are left alone; what cannot be reclaimed now is dead and
+        goes with ``stage_commit`` / ``stage_abort``.
         """
 
     @abc.abstractmethod

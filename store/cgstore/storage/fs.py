@@ -21,7 +21,11 @@ append goes to the current end of the file, under an exclusive ``flock``, and
 the session state lists the live ``[file_position, length]`` extents. Bytes no
 extent names (a loser's, a crashed append's) are dead. An append ends with an
 fsync before it returns (the recorded offset must never run ahead of durable
-bytes); one that fails midway truncates the file back to where it started.
+bytes); one that fails midway (its stream raised: a client gone, a chunk
+shorter or longer than its Content-Range) truncates the file back to where it
+started, and ``stage_discard`` cuts a race loser's bytes when they are the
+file's tail, so the file stays at the committed offset but for a loser whose
+bytes a winner's follow (reclaimed at commit).
 
 ``stage_commit`` hashes the live extents (streaming). In the usual case they
 are contiguous from byte 0: the dead tail is cut and the file is renamed into
@@ -208,6 +212,18 @@ class FileStorage(Storage):
                 os.ftruncate(fd, position)
             raise
         return written
+
+    def stage_discard(self, before: StagedUpload, after: StagedUpload) -> None:
+        new = _extents(after)[len(_extents(before)) :]
+        if not new:
+            return
+        [[position, length]] = new  # one append adds one extent
+        with contextlib.suppress(BlobUploadUnknown), self._locked_staging(after.session_id) as fd:
+            with _os_errors("stage_discard"):
+                # Only a tail can go: bytes after it are another append's, which
+                # its own state names by file position.
+                if os.fstat(fd).st_size == position + length:
+                    os.ftruncate(fd, position)
 
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         # A malformed digest is refused before anything is dropped: it is a bad

@@ -43,7 +43,9 @@ streaming upload, so a huge chunk is itself a multipart upload and a small one
 a single PUT); the session state records ``[offset, length, name]`` of every
 chunk. The random part matters: the caller records a new offset by
 compare-and-set after ``stage_append`` returns, so two racing appends at one
-offset must not overwrite each other's object. ``stage_commit`` streams the
+offset must not overwrite each other's object; the loser's is deleted
+(``stage_discard``), and a chunk refused mid-stream (shorter or longer than its
+Content-Range) never becomes an object at all. ``stage_commit`` streams the
 recorded chunk objects in order through a verifying ``writer()`` onto the
 final key, then deletes everything under the session's prefix (unrecorded
 chunks of lost races or crashed appends included).
@@ -414,6 +416,16 @@ class S3Storage(Storage):
             raise
         chunk_list = [*staged.state.get("chunks", []), [staged.offset, written, name]]
         return StagedUpload(staged.session_id, staged.offset + written, {**staged.state, "chunks": chunk_list})
+
+    def stage_discard(self, before: StagedUpload, after: StagedUpload) -> None:
+        chunks = after.state.get("chunks", [])
+        if len(chunks) <= len(before.state.get("chunks", [])):
+            return
+        name = chunks[-1][2]  # the one this append added; its random name is no other's
+        with _s3_errors("stage_discard"):
+            self.client.delete_object(
+                Bucket=self.bucket, Key=self._staging_prefix(after.session_id) + check_session_id(name)
+            )
 
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         # writer() refuses a malformed digest before anything is dropped: that is
