@@ -13,6 +13,7 @@ repo the caller can read.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import itertools
 import re
@@ -34,6 +35,7 @@ from cgstore.core.errors import (
     RangeInvalid,
     SizeInvalid,
     TooLarge,
+    Unavailable,
 )
 from cgstore.core.names import split_repo_path
 from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
@@ -182,24 +184,32 @@ def _expiry(ctx: StoreContext) -> dt.datetime:
 
 def open_session(ctx: StoreContext, claims: Claims, owner: str, repo: str) -> str:
     """Open a resumable upload. It is the start of a write into the repo, whose row
-    the session references, so a repo with no blob yet comes into being here."""
+    the session references, so a repo with no blob yet comes into being here, in
+    the transaction that records the session, once its staging exists."""
     with ctx.db.session() as session:
         writable_repo(session, ctx.tokens, claims, owner, repo)
-        target = ensure_repo(session, claims, owner, repo)
     session_id = uuid.uuid4().hex  # of the SESSION_ID_RE grammar
     staged = ctx.storage.stage_begin(session_id)
-    with ctx.db.session() as session:
-        session.add(
-            UploadSession(
-                id=session_id,
-                repo_id=target.id,
-                principal=claims.sub,
-                offset=0,
-                storage_state=staged.state,
-                created_at=utcnow(),
-                expires_at=_expiry(ctx),
+    try:
+        with ctx.db.session() as session:
+            target = ensure_repo(session, claims, owner, repo)
+            session.add(
+                UploadSession(
+                    id=session_id,
+                    repo_id=target.id,
+                    principal=claims.sub,
+                    offset=0,
+                    storage_state=staged.state,
+                    created_at=utcnow(),
+                    expires_at=_expiry(ctx),
+                )
             )
-        )
+    except BaseException:
+        # No row will ever name this staging. The original failure is the answer,
+        # even if storage cannot drop it now.
+        with contextlib.suppress(Unavailable):
+            ctx.storage.stage_abort(staged)
+        raise
     return session_id
 
 
