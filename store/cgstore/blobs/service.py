@@ -37,6 +37,7 @@ from cgstore.core.errors import (
     TooLarge,
     Unavailable,
 )
+from cgstore.core.faults import crash_point
 from cgstore.core.names import split_repo_path
 from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload
@@ -134,6 +135,7 @@ def upload(
         for chunk in chunks:
             writer.write(chunk)
         size = writer.commit()
+    crash_point("upload.stored")
     _link(ctx, claims, owner, repo, digest, size, action="blob.upload")
     return size
 
@@ -254,6 +256,7 @@ def append(
     counted = _counting(chunks, found.offset, expected, ctx.settings.max_blob_bytes)
     before = StagedUpload(found.id, found.offset, found.storage_state)
     staged = ctx.storage.stage_append(before, counted)
+    crash_point("session.staged")
     with ctx.db.session() as session:
         # Compare-and-set on the offset: of two racing chunks at one offset, one wins.
         moved = session.execute(
@@ -308,6 +311,7 @@ def commit_session(
         # The storage dropped the staged bytes: a mismatch leaves nothing to resume.
         _forget_session(ctx, found.id)
         raise
+    crash_point("commit.stored")
     _forget_session(ctx, found.id)
     _link(ctx, claims, owner, repo, digest, size, action="blob.upload", session=found.id)
     return size
