@@ -41,6 +41,7 @@ from cgstore.core.faults import crash_point
 from cgstore.core.names import split_repo_path
 from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload
+from cgstore.storage.hashing import VerifyOnlyWriter
 from cgstore.tokens.service import Claims
 
 MAX_MISSING_QUERY = 1024
@@ -121,13 +122,13 @@ def upload(
 ) -> int:
     """Monolithic PUT: stream ``chunks`` into storage verified, then link. Returns the size."""
     validate_digest(digest)
+    _check_size_limit(ctx, declared_size)
     with ctx.db.session() as session:
         writable_repo(session, ctx.tokens, claims, owner, repo)
         already_stored = session.get(Blob, digest) is not None
-    # The writer checks the store's limit (at once for a declared size), the size
-    # (as soon as too many bytes arrive) and the digest.
+    # The writer checks size (as soon as too many bytes arrive), the store's limit and the digest.
     if already_stored:
-        writer = ctx.storage.verify_only(digest, declared_size)
+        writer = VerifyOnlyWriter(digest, declared_size, ctx.settings.max_blob_bytes)
     else:
         writer = ctx.storage.writer(digest, declared_size)
     with writer:
@@ -137,6 +138,11 @@ def upload(
     crash_point("upload.stored")
     _link(ctx, claims, owner, repo, digest, size, action="blob.upload")
     return size
+
+
+def _check_size_limit(ctx: StoreContext, size: int | None) -> None:
+    if size is not None and size > ctx.settings.max_blob_bytes:
+        raise TooLarge(f"blobs are at most {ctx.settings.max_blob_bytes} bytes", limit=ctx.settings.max_blob_bytes)
 
 
 def _link(
@@ -247,7 +253,7 @@ def append(
     if content_range is not None and content_range[0] != found.offset:
         raise RangeInvalid("chunk does not start at the committed offset", offset=found.offset)
     expected = None if content_range is None else content_range[1] - content_range[0]
-    counted = chunks if expected is None else _exactly(chunks, expected)
+    counted = _counting(chunks, found.offset, expected, ctx.settings.max_blob_bytes)
     before = StagedUpload(found.id, found.offset, found.storage_state)
     staged = ctx.storage.stage_append(before, counted)
     crash_point("session.staged")
@@ -265,20 +271,21 @@ def append(
     return staged.offset
 
 
-def _exactly(chunks: Iterator[bytes], expected: int) -> Iterator[bytes]:
-    """``chunks``, refused from within the stream unless they add up to ``expected`` bytes.
+def _counting(chunks: Iterator[bytes], offset: int, expected: int | None, limit: int) -> Iterator[bytes]:
+    """``chunks``, refused from within the stream when they break the chunk's length or the limit.
 
     Raising here, while storage consumes the stream, is what lets storage cut
-    back the bytes it already wrote; a check after the append could not. (The
-    store's size limit is storage's to apply, also inside the stream.)
+    back the bytes it already wrote; a check after the append could not.
     """
     received = 0
     for chunk in chunks:
         received += len(chunk)
-        if received > expected:
+        if expected is not None and received > expected:
             raise SizeInvalid("chunk longer than its Content-Range", expected=expected)
+        if offset + received > limit:
+            raise TooLarge(f"blobs are at most {limit} bytes", limit=limit)
         yield chunk
-    if received != expected:
+    if expected is not None and received != expected:
         raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=received)
 
 

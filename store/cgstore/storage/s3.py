@@ -1,23 +1,21 @@
-"""The S3 driver: any S3-compatible store (AWS S3, MinIO, Ceph, moto) via boto3.
+"""The S3 backend: any S3-compatible store (AWS S3, MinIO, Ceph, moto) via boto3.
 
-URL: ``s3://bucket[/prefix]?endpoint_url=…&region=…``. A plain object store
-(``ObjectStore`` in base.py); verifying blobs is done above it, once for every
-driver (``writer.py``). Keys under the optional prefix are the same as the fs
-driver's: ``blobs/<hex[:2]>/<hex>`` for blobs, ``uploads/<session_id>/…`` for
-staged uploads.
+URL: ``s3://bucket[/prefix]?endpoint_url=…&region=…``. Keys under the optional
+prefix are the same as the fs backend's: ``blobs/<hex[:2]>/<hex>`` for blobs,
+``uploads/<session_id>/…`` for staged uploads.
 
-Streaming writes
-----------------
-``open_write`` goes straight to the final key. Bytes are gathered into parts
-of ``part_bytes``; full parts are uploaded as a multipart upload by a small
-per-write thread pool, at most ``max_concurrency`` parts in flight (a
-semaphore makes ``write`` block while they drain). A multipart upload is
-invisible until it is completed: ``publish`` completes it (the verifier above
-calls it only after size and digest matched) and ``discard`` aborts it, so
-nothing ever appears under ``blobs/`` unverified. A stream that fits one part
-never starts a multipart upload: its chunks are kept as they came and sent
-with a single ``put_object`` on ``publish``. When the size is known up front,
-the part size grows if needed to stay within S3's 10 000-part limit.
+Verified streaming writes
+-------------------------
+A write goes straight to its final key. Bytes are hashed (blake3) as they
+arrive and gathered into parts of ``part_bytes``; full parts are uploaded as a
+multipart upload by a small per-write thread pool, at most ``max_concurrency``
+parts in flight (a semaphore makes ``write`` block while they drain). A
+multipart upload is invisible until it is completed, and ``commit`` completes
+it only after size and digest matched; otherwise it aborts it, so nothing ever
+appears under ``blobs/`` unverified. A stream that fits one part never starts a
+multipart upload: its chunks are kept as they came, verified, and sent with a
+single ``put_object``. When the size is known up front, the part size grows if
+needed to stay within S3's 10 000-part limit.
 
 Part buffers
 ------------
@@ -132,12 +130,18 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from cgstore.core.errors import BlobUploadUnknown, DigestInvalid, SizeInvalid, TooLarge, Unavailable
+from cgstore.core.errors import (
+    BlobUnknown,
+    BlobUploadUnknown,
+    DigestInvalid,
+    SizeInvalid,
+    TooLarge,
+    Unavailable,
+)
 from cgstore.settings import parse_s3_url
+from cgstore.storage.base import BlobWriter, StagedUpload, Storage
 from cgstore.storage import hashing
-from cgstore.storage.base import ObjectInfo, ObjectMissing, StagedUpload, Storage
-from cgstore.storage.hashing import READ_CHUNK_BYTES, check_session_id
-from cgstore.storage.writer import PendingObject
+from cgstore.storage.hashing import READ_CHUNK_BYTES, StreamVerifier, check_range, check_session_id
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +248,7 @@ def _client_config(*, endpoint_url, max_concurrency, connect_timeout_s, read_tim
 
 
 class S3Storage(Storage):
-    """Objects and staged uploads in one bucket, under an optional key prefix."""
+    """Blobs and staged uploads in one bucket, under an optional key prefix."""
 
     supports_presign = True
 
@@ -340,62 +344,56 @@ class S3Storage(Storage):
         needed = math.ceil(math.ceil(size / MAX_PARTS) / MiB) * MiB
         return max(self.part_bytes, needed)
 
-    # -- object primitives ---------------------------------------------------------------
-    def open_write(self, key: str, size_hint: int | None = None) -> PendingObject:
-        return _StreamingUpload(self, self.key(key), self._part_bytes_for(size_hint))
+    # -- blobs -----------------------------------------------------------------------
+    def writer(self, digest: str, size: int | None = None) -> BlobWriter:
+        verifier = StreamVerifier(digest, size, self.max_blob_bytes)
+        upload = _StreamingUpload(self, self.key(hashing.blob_key(verifier.hex)), self._part_bytes_for(size))
+        return S3BlobWriter(verifier, upload)
 
-    def stat(self, key: str) -> int | None:
-        return self._object_size(self.key(key))
+    def size(self, digest: str) -> int | None:
+        return self._object_size(self.blob_key(digest))
 
-    def read_range(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+    def read(self, digest: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        key = self.blob_key(digest)
+        check_range(start, end)
         if end is not None and end == start:  # S3 has no empty Range; still answer "absent"
-            if self.stat(key) is None:
-                raise ObjectMissing(key)
+            if self.size(digest) is None:
+                raise BlobUnknown("blob unknown", digest=digest)
             return iter(())
-        request = {"Bucket": self.bucket, "Key": self.key(key)}
+        request = {"Bucket": self.bucket, "Key": key}
         if start > 0 or end is not None:
             request["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        # The GET is issued now, not on first iteration: an absent object must
+        # The GET is issued now, not on first iteration: an absent blob must
         # raise before the caller commits to a response.
         with _s3_errors("read"):
             try:
                 response = self.client.get_object(**request)
             except ClientError as exc:
                 if _is_missing(exc):
-                    raise ObjectMissing(key) from None
+                    raise BlobUnknown("blob unknown", digest=digest) from None
                 if _error_code(exc)[0] == "InvalidRange":  # start at or past the end
                     return iter(())
                 raise
         return _stream_body(response["Body"])
 
-    def list_keys(self, prefix: str, cursor: str | None = None, limit: int = 1000) -> tuple[list[ObjectInfo], str | None]:
-        """Keys in S3's own (UTF-8 byte) order; the cursor is the last key, passed as ``StartAfter``."""
-        request = {"Bucket": self.bucket, "Prefix": self.key(prefix), "MaxKeys": min(limit, 1000)}
-        if cursor:
-            request["StartAfter"] = self.key(cursor)
-        with _s3_errors("list_objects"):
-            response = self.client.list_objects_v2(**request)
-        found = [
-            ObjectInfo(item["Key"].removeprefix(self.prefix), item["Size"]) for item in response.get("Contents", [])
-        ]
-        return found, (found[-1].key if found and response.get("IsTruncated") else None)
-
-    def presign_key(self, key: str, ttl_s: int) -> str | None:
+    def presigned_url(self, digest: str, ttl_s: int) -> str | None:
+        key = self.blob_key(digest)
         with _s3_errors("presign"):  # signing is local; only missing credentials can fail
             return self.presign_client.generate_presigned_url(
-                "get_object", Params={"Bucket": self.bucket, "Key": self.key(key)}, ExpiresIn=ttl_s
+                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=ttl_s
             )
 
-    def delete_key(self, key: str) -> None:
+    def delete(self, digest: str) -> None:
+        key = self.blob_key(digest)
         with _s3_errors("delete"):
-            self.client.delete_object(Bucket=self.bucket, Key=self.key(key))
+            self.client.delete_object(Bucket=self.bucket, Key=key)
 
     # -- staged uploads -------------------------------------------------------------------
     def stage_begin(self, session_id: str) -> StagedUpload:
         check_session_id(session_id)
         return StagedUpload(session_id=session_id, offset=0, state={"chunks": []})
 
-    def _stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
+    def stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
         # A fresh name per append, never one derived from the offset alone: the
         # caller records the new offset by compare-and-set *after* this returns,
         # so a racing append at the same offset must not overwrite the winner's
@@ -405,14 +403,16 @@ class S3Storage(Storage):
         written = 0
         try:
             for chunk in chunks:
+                if self.max_blob_bytes is not None and staged.offset + written + len(chunk) > self.max_blob_bytes:
+                    raise TooLarge("blob exceeds the store's size limit", limit=self.max_blob_bytes)
                 upload.write(chunk)
                 written += len(chunk)
             if written == 0:  # nothing to stage; an empty object would only be clutter
-                upload.discard()
+                upload.abort()
                 return StagedUpload(staged.session_id, staged.offset, dict(staged.state))
-            upload.publish()
+            upload.finish()
         except BaseException:
-            upload.discard()
+            upload.abort()
             raise
         chunk_list = [*staged.state.get("chunks", []), [staged.offset, written, name]]
         return StagedUpload(staged.session_id, staged.offset + written, {**staged.state, "chunks": chunk_list})
@@ -771,7 +771,7 @@ class _ViewsReader:
         return b"".join(pieces)
 
 
-class _StreamingUpload(PendingObject):
+class _StreamingUpload:
     """Bytes streamed to one key: a single PUT if they fit one part, else a
     multipart upload with at most ``max_concurrency`` parts in flight.
 
@@ -779,7 +779,7 @@ class _StreamingUpload(PendingObject):
     that may still fit one PUT never takes a pool buffer, so small blobs do not
     compete with big ones for them); once the stream outgrows one part, parts
     are filled into buffers from the storage's pool. Nothing is visible at the
-    key until ``publish``; ``discard`` drops it all.
+    key until ``finish``; ``abort`` discards it all.
     """
 
     def __init__(self, storage: S3Storage, key: str, part_bytes: int) -> None:
@@ -815,8 +815,8 @@ class _StreamingUpload(PendingObject):
             self._gather(piece if immutable else memoryview(piece.tobytes()))
             view = view[len(piece) :]
 
-    def publish(self) -> None:
-        """Make the bytes visible at the key (the verifier above has checked them)."""
+    def finish(self) -> None:
+        """Make the bytes visible at the key (the caller has verified them)."""
         if self._chunks is not None:  # never outgrew one part: no multipart upload
             self._storage._put(self._key, _ViewsReader(self._chunks))
             self._chunks = []
@@ -828,7 +828,7 @@ class _StreamingUpload(PendingObject):
         self._upload_id = None  # completed: nothing left to abort
         self._shutdown_pool()
 
-    def discard(self) -> None:
+    def abort(self) -> None:
         """Discard everything: gathered bytes, parts in flight, the multipart upload. Idempotent."""
         self._chunks = []
         self._shutdown_pool()  # parts in flight give their buffers back as they end
@@ -899,3 +899,39 @@ class _StreamingUpload(PendingObject):
             self._pool = None
         # Futures hold their callbacks (bound to self): drop the cycle now, not at the next GC.
         self._parts = []
+
+
+class S3BlobWriter(BlobWriter):
+    """One verified write: hash on the way in, complete (or PUT) only on a match."""
+
+    def __init__(self, verifier: StreamVerifier, upload: _StreamingUpload) -> None:
+        self._verifier = verifier
+        self._upload = upload
+        self._state = "open"
+
+    def write(self, chunk: bytes) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"write on a {self._state} writer")
+        try:
+            self._verifier.update(chunk)
+            self._upload.write(chunk)
+        except BaseException:
+            self.abort()
+            raise
+
+    def commit(self) -> int:
+        if self._state != "open":
+            raise RuntimeError(f"commit on a {self._state} writer")
+        try:
+            self._verifier.verify()
+            self._upload.finish()
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "committed"
+        return self._verifier.size
+
+    def abort(self) -> None:
+        if self._state == "open":
+            self._state = "aborted"
+            self._upload.abort()
