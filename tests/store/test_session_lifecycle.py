@@ -41,28 +41,60 @@ def open_session(client, name: str) -> tuple[str, str]:
 
 
 def test_two_chunks_racing_at_one_offset_never_both_land(store, monkeypatch):
-    """Both chunks are staged from offset 0 before either records it; exactly one wins."""
+    """Both chunks are staged from offset 0 before either records it; exactly one wins.
+
+    The real stage writers run one after the other (the fs backend's lock refuses
+    an overlapping append outright, which is not the race under test), and the
+    second records its offset only once the first has answered.
+    """
     name = unique_repo()
     token = store.mint("alice", f"acme/{name}:read,write")
     size = 64 * 1024
     storage = store.context.storage
-    real_append = storage.stage_append
-    serial = threading.Lock()  # appends one after the other, so the first staged is the first to record
-    staged_in_order: list[object] = []
+    real_stage_writer = storage.stage_writer
+    serial = threading.Lock()  # one append after the other: the first staged is the first to record
+    finished: list[object] = []
     both_staged = threading.Barrier(2, timeout=30)
     first_answered = threading.Event()
 
-    def racing_append(staged, chunks):
-        with serial:
-            after = real_append(staged, chunks)
-            staged_in_order.append(after)
-            index = len(staged_in_order) - 1
-        both_staged.wait()  # neither has recorded its offset yet: both read offset 0
-        if index == 1:
-            assert first_answered.wait(30)
-        return after
+    class RacingWriter:
+        """The real stage writer; its finish waits until both chunks are staged."""
 
-    monkeypatch.setattr(storage, "stage_append", racing_append)
+        def __init__(self, staged) -> None:
+            serial.acquire()
+            self._inner = real_stage_writer(staged)
+            self._holding = True
+
+        def write(self, chunk: bytes) -> None:
+            self._inner.write(chunk)
+
+        def finish(self):
+            after = self._inner.finish()
+            finished.append(after)
+            index = len(finished) - 1
+            self._let_go()
+            both_staged.wait()  # neither has recorded its offset yet: both read offset 0
+            if index == 1:
+                assert first_answered.wait(30)
+            return after
+
+        def abort(self) -> None:
+            self._inner.abort()
+            self._let_go()
+
+        def _let_go(self) -> None:
+            if self._holding:
+                self._holding = False
+                serial.release()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, exc_type, exc, tb) -> None:
+            if exc_type is not None:
+                self.abort()
+
+    monkeypatch.setattr(storage, "stage_writer", RacingWriter)
     answers: queue.Queue = queue.Queue()
     with store.client(token) as client:
         location, session_id = open_session(client, name)

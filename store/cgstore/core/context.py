@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from cgstore.audit.denials import DenialLog
 from cgstore.core.db import Database
 from cgstore.core.metrics import Metrics
 from cgstore.settings import Settings
@@ -20,6 +21,7 @@ class StoreContext:
     storage: Storage
     tokens: TokenService
     metrics: Metrics
+    denials: DenialLog
 
 
 def get_context(request: Request) -> StoreContext:
