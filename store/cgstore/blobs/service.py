@@ -47,7 +47,6 @@ from cgstore.core.faults import crash_point
 from cgstore.core.names import split_repo_path
 from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload
-from cgstore.storage.hashing import VerifyOnlyWriter
 from cgstore.tokens.service import Claims
 
 MAX_MISSING_QUERY = 1024
@@ -127,13 +126,13 @@ def upload(
 ) -> BodyConsumer[int]:
     """Monolithic PUT: stream the body into storage verified, then link. Returns the size."""
     validate_digest(digest)
-    _check_size_limit(ctx, declared_size)
     with ctx.db.session() as session:
         writable_repo(session, ctx.tokens, claims, owner, repo)
         already_stored = session.get(Blob, digest) is not None
-    # The writer checks size (as soon as too many bytes arrive), the store's limit and the digest.
+    # The writer checks the store's limit (at once for a declared size), the size
+    # (as soon as too many bytes arrive) and the digest.
     if already_stored:
-        writer = VerifyOnlyWriter(digest, declared_size, ctx.settings.max_blob_bytes)
+        writer = ctx.storage.verify_only(digest, declared_size)
     else:
         writer = ctx.storage.writer(digest, declared_size)
     with writer:
@@ -143,11 +142,6 @@ def upload(
     crash_point("upload.stored")
     _link(ctx, claims, owner, repo, digest, size, action="blob.upload")
     return size
-
-
-def _check_size_limit(ctx: StoreContext, size: int | None) -> None:
-    if size is not None and size > ctx.settings.max_blob_bytes:
-        raise TooLarge(f"blobs are at most {ctx.settings.max_blob_bytes} bytes", limit=ctx.settings.max_blob_bytes)
 
 
 def _link(
@@ -259,16 +253,14 @@ def append(
     if content_range is not None and content_range[0] != found.offset:
         raise RangeInvalid("chunk does not start at the committed offset", offset=found.offset)
     expected = None if content_range is None else content_range[1] - content_range[0]
-    limit = ctx.settings.max_blob_bytes
     received = 0
     before = StagedUpload(found.id, found.offset, found.storage_state)
+    # The store's size limit is storage's to apply: its stage writer refuses past it.
     with ctx.storage.stage_writer(before) as writer:
         while (chunk := (yield)) is not None:
             received += len(chunk)
             if expected is not None and received > expected:
                 raise SizeInvalid("chunk longer than its Content-Range", expected=expected)
-            if found.offset + received > limit:
-                raise TooLarge(f"blobs are at most {limit} bytes", limit=limit)
             writer.write(chunk)
         if expected is not None and received != expected:
             # Raised inside the writer, so that it aborts: its bytes are cut back.
