@@ -1,7 +1,7 @@
 """Audit, complete: filterable columns, aggregate counts, indexes, and append-only triggers.
 
 Revision ID: 0003_audit
-Revises: 0001_foundation
+Revises: 0002_trust
 Create Date: 2026-12-03
 
 Adds to ``audit_events``: ``repo`` (``owner/repo`` an entry concerns),
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0003_audit"
-down_revision = "0001_foundation"
+down_revision = "0002_trust"
 branch_labels = None
 depends_on = None
 

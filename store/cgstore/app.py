@@ -16,14 +16,17 @@ from cgstore.audit.denials import DenialLog, audit_denial
 from cgstore.audit.router import router as audit_router
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.router import router as blobs_router
-from cgstore.core.context import StoreContext
+from cgstore.context import StoreContext
 from cgstore.core.db import Database
 from cgstore.core.http import install_error_handlers
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.core.private import private_dir
 from cgstore.health.router import router as health_router
+from cgstore.owners.router import router as owners_router
+from cgstore.repos.router import router as repos_router
 from cgstore.settings import Settings
 from cgstore.storage import open_storage
+from cgstore.tokens.router import router as tokens_router
 from cgstore.tokens.service import TokenService
 
 log = logging.getLogger(__name__)
@@ -94,7 +97,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.context = ctx
     install_error_handlers(app, on_denial=audit_denial)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
-    app.include_router(health_router)
-    app.include_router(blobs_router)
-    app.include_router(audit_router)
+    # Each router carries its prefix: with FastAPI 0.165 a prefix given here would
+    # leave route.path relative, and metrics and the audit label requests by it.
+    for router in (health_router, tokens_router, owners_router, repos_router, blobs_router, audit_router):
+        app.include_router(router)
     return app

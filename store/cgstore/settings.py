@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1 << 20
@@ -39,9 +39,10 @@ class Settings(BaseSettings):
     token_signing_key: Path | None = Field(
         None, description="Ed25519 private key (PEM); default CGSTORE_HOME/token-signing-key.pem, generated once."
     )
-    token_verify_keys: list[Path] = Field(
-        default_factory=list,
-        description="Extra Ed25519 public keys (PEM) accepted when verifying, for key rotation.",
+    token_keys_dir: Path | None = Field(
+        None,
+        description="Directory of the private keys `cgstore keys rotate` adds (<kid>.pem, 0600); "
+        "default CGSTORE_HOME/keys.",
     )
     token_issuer: str = "cgstore"
     redirect_downloads: bool = Field(True, description="Answer blob GETs on S3 with 307 to a presigned URL.")
@@ -74,13 +75,6 @@ class Settings(BaseSettings):
     )
     log_level: str = "info"
 
-    @field_validator("token_verify_keys", mode="before")
-    @classmethod
-    def _split_paths(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [p for p in value.split(",") if p.strip()]
-        return value
-
     @cached_property
     def resolved_database_url(self) -> str:
         if self.database_url:
@@ -96,6 +90,10 @@ class Settings(BaseSettings):
     @cached_property
     def signing_key_path(self) -> Path:
         return self.token_signing_key or self.home / "token-signing-key.pem"
+
+    @cached_property
+    def keys_dir(self) -> Path:
+        return self.token_keys_dir or self.home / "keys"
 
     @property
     def storage_is_s3(self) -> bool:

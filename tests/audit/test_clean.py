@@ -23,7 +23,9 @@ def test_nul_control_and_backslash_are_escaped_unambiguously():
 def test_lone_surrogates_and_undecodable_bytes_are_escaped():
     assert clean("x\ud800y", 100) == "x\\ud800y"
     assert clean(b"ok\xff\xfe", 100) == "ok\\xff\\xfe"
-    assert clean("ünïcode ✓", 100) == "ünïcode ✓"  # valid text is kept as it is
+    # Non-ASCII is written as its code points, so a homoglyph never passes for ASCII in the log.
+    assert clean("rоot ✓", 100) == "r\\u043eot \\u2713"
+    assert clean("\U0001f600", 100) == "\\U0001f600"
 
 
 def test_overlong_values_are_cut_with_a_marker():

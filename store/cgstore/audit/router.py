@@ -10,9 +10,9 @@ from fastapi import APIRouter, Depends, Query
 from starlette.concurrency import run_in_threadpool
 
 from cgstore.audit import service
-from cgstore.core.auth import require_claims
-from cgstore.core.context import StoreContext, get_context
-from cgstore.tokens.service import Claims
+from cgstore.tokens.dependencies import require_claims
+from cgstore.context import StoreContext, get_context
+from cgstore.tokens.claims import Claims
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"])
 

@@ -32,6 +32,7 @@ from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry, AuditPage
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from cgstore.access import is_admin
 from cgstore.audit.models import (
     ACTION_LEN,
     ACTOR_LEN,
@@ -43,9 +44,8 @@ from cgstore.audit.models import (
     AuditEvent,
 )
 from cgstore.core.db import Database, utcnow
-from cgstore.core.errors import BadRequest, Denied
-from cgstore.tokens.grants import ADMIN, WILDCARD
-from cgstore.tokens.service import Claims
+from cgstore.core.errors import BadRequest
+from cgstore.tokens.claims import Claims
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ DETAIL_JSON_BYTES = 8 * 1024
 
 DEFAULT_PAGE = 100
 
-_NEEDS_ESCAPE = re.compile("[\\\\\x00-\x1f\x7f\ud800-\udfff]")
+_NEEDS_ESCAPE = re.compile("[\\\\\x00-\x1f\x7f-\U0010ffff]")
 
 
 def _escape_char(match: re.Match[str]) -> str:
@@ -68,13 +68,16 @@ def _escape_char(match: re.Match[str]) -> str:
     code = ord(char)
     if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte, as ``surrogateescape`` carries it
         return f"\\x{code - 0xDC00:02x}"
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def clean(value: object, limit: int) -> str:
     """``value`` as text any database stores: escaped, and at most ``limit`` characters.
 
-    Bytes that are not UTF-8 become ``\\xNN``; a value cut short ends with
+    Non-ASCII becomes ``\\uNNNN`` (a homoglyph never passes for ASCII), bytes that are
+    not UTF-8 ``\\xNN``; a value cut short ends with
     ``…[cut from N chars]`` so a reader knows it was.
     """
     text = value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
@@ -225,15 +228,6 @@ def list_events(
     return events, (events[-1].id if len(events) == limit else None)
 
 
-def require_admin(claims: Claims) -> None:
-    """Reading the audit needs the registry-wide admin grant (``*/*:admin``), else ``Denied``."""
-    if not any(
-        ADMIN in grant.effective_actions and grant.owner_pattern == grant.repo_pattern == WILDCARD
-        for grant in claims.grants
-    ):
-        raise Denied("reading the audit log needs a '*/*:admin' grant")
-
-
 def parse_cursor(cursor: str | None) -> int | None:
     """The id a ``next_cursor`` names; anything else is ``BAD_REQUEST``."""
     if cursor is None:
@@ -247,7 +241,7 @@ def read_page(
     db: Database, claims: Claims, where: AuditFilter, cursor: str | None, limit: int, newest_first: bool = False
 ) -> AuditPage:
     """``GET /v1/audit``: one page for an admin."""
-    require_admin(claims)
+    is_admin(claims).enforce()
     after = parse_cursor(cursor)
     with db.session() as session:
         events, next_id = list_events(session, where, after=after, limit=limit, newest_first=newest_first)

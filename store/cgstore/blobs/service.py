@@ -31,7 +31,7 @@ from sqlalchemy import delete, func, select, update
 
 from cgstore.audit.service import record
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
-from cgstore.core.context import StoreContext
+from cgstore.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
 from cgstore.core.http import BodyConsumer
 from cgstore.core.errors import (
@@ -47,7 +47,7 @@ from cgstore.core.faults import crash_point
 from cgstore.core.names import split_repo_path
 from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload
-from cgstore.tokens.service import Claims
+from cgstore.tokens.claims import Claims
 
 MAX_MISSING_QUERY = 1024
 # What ``open_session`` hands out (a uuid4 as 32 lowercase hex). Anything else
@@ -75,7 +75,7 @@ def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str
     validate_digest(digest)
     with ctx.db.session() as session:
         found = readable_repo(
-            session, ctx.tokens, claims, owner, repo, BlobUnknown, "blob unknown to this repo", digest=digest
+            session, claims, owner, repo, BlobUnknown, "blob unknown to this repo", digest=digest
         )
         size = session.scalar(
             select(Blob.size)
@@ -105,7 +105,7 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
     for digest in digests:
         validate_digest(digest)
     with ctx.db.session() as session:
-        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        target = writable_repo(session, claims, owner, repo)
         linked = set() if target is None else set(
             session.scalars(
                 select(RepoBlob.digest).where(RepoBlob.repo_id == target.id, RepoBlob.digest.in_(set(digests)))
@@ -127,7 +127,7 @@ def upload(
     """Monolithic PUT: stream the body into storage verified, then link. Returns the size."""
     validate_digest(digest)
     with ctx.db.session() as session:
-        writable_repo(session, ctx.tokens, claims, owner, repo)
+        writable_repo(session, claims, owner, repo)
         already_stored = session.get(Blob, digest) is not None
     # The writer checks the store's limit (at once for a declared size), the size
     # (as soon as too many bytes arrive) and the digest.
@@ -172,7 +172,7 @@ def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str,
     validate_digest(digest)
     source_owner, source_repo = split_repo_path(source)
     with ctx.db.session() as session:
-        writable_repo(session, ctx.tokens, claims, owner, repo)
+        writable_repo(session, claims, owner, repo)
     location = locate(ctx, claims, source_owner, source_repo, digest)
     _link(ctx, claims, owner, repo, digest, location.size, action="blob.mount", source=source)
     return location.size
@@ -189,7 +189,7 @@ def open_session(ctx: StoreContext, claims: Claims, owner: str, repo: str) -> st
     the session references, so a repo with no blob yet comes into being here, in
     the transaction that records the session, once its staging exists."""
     with ctx.db.session() as session:
-        writable_repo(session, ctx.tokens, claims, owner, repo)
+        writable_repo(session, claims, owner, repo)
     session_id = uuid.uuid4().hex  # of the SESSION_ID_RE grammar
     staged = ctx.storage.stage_begin(session_id)
     try:
@@ -221,7 +221,7 @@ def _find_session(ctx: StoreContext, claims: Claims, owner: str, repo: str, sess
     An id outside the session-id grammar answers exactly like an unknown one.
     """
     with ctx.db.session() as session:
-        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        target = writable_repo(session, claims, owner, repo)
         well_formed = SESSION_ID_RE.fullmatch(session_id) is not None
         found = session.get(UploadSession, session_id) if well_formed else None
     if found is None or target is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():

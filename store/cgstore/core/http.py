@@ -44,8 +44,9 @@ from cgstore.core.errors import (
 
 log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
-DenialHook = Callable[[Request, StoreError], Awaitable[None]]
 T = TypeVar("T")
+#: Called with every refusal before it is answered (the app registers the audit here).
+DenialHook = Callable[[Request, StoreError], Awaitable[None]]
 
 _HTTP_CODES = {404: "NAME_UNKNOWN", 405: "UNSUPPORTED", 413: "TOO_LARGE"}
 

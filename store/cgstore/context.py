@@ -1,4 +1,8 @@
-"""The resources one app instance shares between requests, and the dependency that hands them out."""
+"""The resources one app instance shares between requests, and the dependency that hands them out.
+
+It lives beside ``app.py`` (not in ``core/``) because it names feature
+services: it is where the app is composed.
+"""
 
 from __future__ import annotations
 
