@@ -60,12 +60,23 @@ def serve(
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: str = "head") -> None:
+def db_upgrade(
+    revision: str = "head",
+    wait: Annotated[str, typer.Option(help="Retry connecting this long first (90s, 2m) while the database starts.")] = "0s",
+) -> None:
     """Migrate CGSTORE_DATABASE_URL to ``revision`` (default: the newest)."""
+    from sqlalchemy.exc import OperationalError
+
     from cgstore.core import migrate as migrations
 
     settings = Settings()
-    migrations.upgrade(settings.resolved_database_url, revision)
+    url = settings.resolved_database_url
+    try:
+        migrations.wait_for_database(url, parse_duration(wait))
+    except OperationalError as err:
+        typer.echo(f"error: the database did not answer within {wait}: {err.orig}", err=True)
+        raise typer.Exit(2) from None
+    migrations.upgrade(url, revision)
     typer.echo(f"database at {revision}")
 
 
