@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
@@ -18,11 +17,11 @@ from cgstore.core.db import Database
 from cgstore.core.http import install_error_handlers
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.health.router import router as health_router
+from cgstore.operations import leases
+from cgstore.operations import service as operations
 from cgstore.settings import Settings
 from cgstore.storage import open_storage
 from cgstore.tokens.service import TokenService
-
-log = logging.getLogger(__name__)
 
 
 def build_context(settings: Settings) -> StoreContext:
@@ -45,16 +44,13 @@ def _open_sessions_or_nan(ctx: StoreContext) -> float:
         return float("nan")
 
 
-async def _reap_forever(ctx: StoreContext) -> None:
-    """Reclaim abandoned upload sessions every ``reaper_interval_s``."""
-    while True:
-        await asyncio.sleep(ctx.settings.reaper_interval_s)
-        try:
-            reaped = await run_in_threadpool(blobs_service.reap_expired_sessions, ctx)
-            if reaped:
-                log.info("reaped %d expired upload sessions", reaped)
-        except Exception:  # an outage must not kill the reaper; it tries again next round
-            log.exception("upload session reaper failed")
+def _background_tasks(ctx: StoreContext) -> list[asyncio.Task]:
+    """The periodic tasks, each under its lease (one replica at a time runs each)."""
+    return [
+        asyncio.create_task(
+            operations.run_periodically(ctx, leases.UPLOAD_REAPER, ctx.settings.reaper_interval_s, operations.reap_sessions)
+        ),
+    ]
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -63,13 +59,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        reaper = asyncio.create_task(_reap_forever(ctx))
+        tasks = _background_tasks(ctx)
         try:
             yield
         finally:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await run_in_threadpool(operations.release_all, ctx)
             ctx.db.dispose()
 
     app = FastAPI(title="cgstore", version=__version__, lifespan=lifespan)

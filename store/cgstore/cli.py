@@ -108,9 +108,14 @@ def token_mint(
 def uploads_reap() -> None:
     """Reclaim the bytes of expired upload sessions now (the server also does it periodically)."""
     from cgstore.app import build_context
-    from cgstore.blobs.service import reap_expired_sessions
+    from cgstore.operations import leases
+    from cgstore.operations import service as operations
 
-    typer.echo(f"reaped {reap_expired_sessions(build_context(Settings()))} sessions")
+    reaped = operations.run_once(build_context(Settings()), leases.UPLOAD_REAPER, operations.reap_sessions)
+    if reaped is None:
+        typer.echo("another instance is reaping now (it holds the upload-reaper lease)", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"reaped {reaped} sessions")
 
 
 if __name__ == "__main__":

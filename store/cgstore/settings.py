@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     max_json_bytes: int = Field(1 * MiB, ge=1024, description="Largest JSON request body accepted.")
     upload_session_ttl_s: int = Field(24 * 3600, ge=1, description="Idle time after which an upload session expires.")
     reaper_interval_s: float = Field(60.0, gt=0, description="How often expired upload sessions are reclaimed.")
+    lease_ttl_s: float = Field(
+        120.0, gt=0, description="Lifetime of a background task's lease; a crashed holder's lapses after this."
+    )
     s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="Multipart part size for S3 writes.")
     s3_max_concurrency: int = Field(4, ge=1, le=64, description="Parts uploaded in parallel per S3 write.")
     log_level: str = "info"

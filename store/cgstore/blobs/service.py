@@ -17,11 +17,12 @@ import datetime as dt
 import itertools
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from cgstore_client.keys import is_digest
 from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
 
 from cgstore.audit.service import record
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
@@ -34,6 +35,7 @@ from cgstore.core.errors import (
     RangeInvalid,
     SizeInvalid,
     TooLarge,
+    Unavailable,
 )
 from cgstore.repos.models import Repo
 from cgstore.repos.service import readable_repo, writable_repo
@@ -68,7 +70,7 @@ def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str
         size = session.scalar(
             select(Blob.size)
             .join(RepoBlob, RepoBlob.digest == Blob.digest)
-            .where(RepoBlob.repo_id == found.id, Blob.digest == digest)
+            .where(RepoBlob.repo_id == found.id, Blob.digest == digest, Blob.collecting_since.is_(None))
         )
     if size is None:
         raise BlobUnknown("blob unknown to this repo", digest=digest)
@@ -96,7 +98,13 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
         target = writable_repo(session, ctx.tokens, claims, owner, repo)
         linked = set(
             session.scalars(
-                select(RepoBlob.digest).where(RepoBlob.repo_id == target.id, RepoBlob.digest.in_(set(digests)))
+                select(RepoBlob.digest)
+                .join(Blob, Blob.digest == RepoBlob.digest)
+                .where(
+                    RepoBlob.repo_id == target.id,
+                    RepoBlob.digest.in_(set(digests)),
+                    Blob.collecting_since.is_(None),
+                )
             )
         )
     return [d for d in dict.fromkeys(digests) if d not in linked]
@@ -118,7 +126,7 @@ def upload(
     _check_size_limit(ctx, declared_size)
     with ctx.db.session() as session:
         target = writable_repo(session, ctx.tokens, claims, owner, repo)
-        already_stored = session.get(Blob, digest) is not None
+        already_stored = _stored(session, digest)
     # The writer checks size (as soon as too many bytes arrive), the store's limit and the digest.
     if already_stored:
         writer = VerifyOnlyWriter(digest, declared_size, ctx.settings.max_blob_bytes)
@@ -137,9 +145,56 @@ def _check_size_limit(ctx: StoreContext, size: int | None) -> None:
         raise TooLarge(f"blobs are at most {ctx.settings.max_blob_bytes} bytes", limit=ctx.settings.max_blob_bytes)
 
 
+def _stored(session: Session, digest: str) -> bool:
+    """True when the blob's bytes are stored and not condemned; 503 while GC is deleting them."""
+    found = session.get(Blob, digest)
+    if found is not None and found.collecting_since is not None:
+        raise _being_collected(digest)
+    return found is not None
+
+
+def _being_collected(digest: str) -> Unavailable:
+    return Unavailable("the blob is being garbage-collected: send it again shortly", digest=digest)
+
+
+def hold_blobs(session: Session, digests: Iterable[str]) -> set[str]:
+    """Mark ``digests`` linked now, in the caller's transaction; return those not stored.
+
+    This is the publish side of the race with garbage collection: the UPDATE
+    writes (and on PostgreSQL locks) each blob row, and GC condemns a row only
+    by a conditional UPDATE that re-reads ``linked_at``/``collecting_since`` of
+    that same row. Whichever commits first wins: either GC sees the fresh
+    ``linked_at`` and spares the blob, or the blob is already condemned and
+    the publish gets it back among the missing.
+    """
+    wanted = set(digests)
+    if not wanted:
+        return set()
+    session.execute(
+        update(Blob)
+        .where(Blob.digest.in_(wanted), Blob.collecting_since.is_(None))
+        .values(linked_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    held = set(
+        session.scalars(select(Blob.digest).where(Blob.digest.in_(wanted), Blob.collecting_since.is_(None)))
+    )
+    return wanted - held
+
+
+def _hold_or_store(session: Session, digest: str, size: int) -> None:
+    """Record verified bytes as stored, or mark the stored blob linked now (see ``hold_blobs``)."""
+    now = utcnow()
+    if insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=now, linked_at=now):
+        return
+    if hold_blobs(session, [digest]):
+        # Condemned since our check: GC may delete the very bytes just written.
+        raise _being_collected(digest)
+
+
 def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: int, action: str, **detail) -> None:
     with ctx.db.session() as session:
-        insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=utcnow())
+        _hold_or_store(session, digest, size)
         linked = insert_ignoring_conflicts(
             session, RepoBlob, repo_id=target.id, digest=digest, linked_by=claims.sub, created_at=utcnow()
         )
@@ -295,12 +350,18 @@ def _forget_session(ctx: StoreContext, session_id: str) -> None:
         session.execute(delete(UploadSession).where(UploadSession.id == session_id))
 
 
-def reap_expired_sessions(ctx: StoreContext, now: dt.datetime | None = None) -> int:
-    """Reclaim expired sessions' staged bytes and orphaned writes; returns how many were reaped."""
+def reap_expired_sessions(
+    ctx: StoreContext, now: dt.datetime | None = None, heartbeat: Callable[[], None] = lambda: None
+) -> int:
+    """Reclaim expired sessions' staged bytes and orphaned writes; returns how many were reaped.
+
+    ``heartbeat`` runs between sessions: the periodic task renews its lease there.
+    """
     now = now or utcnow()
     with ctx.db.session() as session:
         expired = list(session.scalars(select(UploadSession).where(UploadSession.expires_at <= now).limit(1000)))
     for found in expired:
+        heartbeat()
         ctx.storage.stage_abort(StagedUpload(found.id, found.offset, found.storage_state))
         _forget_session(ctx, found.id)
     # Writes of a process that died mid-upload have no session row; a write idle

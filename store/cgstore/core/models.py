@@ -3,7 +3,8 @@
 from cgstore.audit.models import AuditEvent
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
 from cgstore.core.db import Base
+from cgstore.operations.models import Lease
 from cgstore.repos.models import Repo
 from cgstore.tokens.models import Principal, TokenRecord
 
-__all__ = ["AuditEvent", "Base", "Blob", "Principal", "Repo", "RepoBlob", "TokenRecord", "UploadSession"]
+__all__ = ["AuditEvent", "Base", "Blob", "Lease", "Principal", "Repo", "RepoBlob", "TokenRecord", "UploadSession"]
