@@ -14,7 +14,7 @@ from cgstore.blobs import service as blobs_service
 from cgstore.blobs.router import router as blobs_router
 from cgstore.core.context import StoreContext
 from cgstore.core.db import Database
-from cgstore.core.http import install_error_handlers
+from cgstore.core.http import ERROR_RESPONSES, install_error_handlers
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.health.router import router as health_router
 from cgstore.operations import leases
@@ -71,7 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await run_in_threadpool(operations.release_all, ctx)
             ctx.db.dispose()
 
-    app = FastAPI(title="cgstore", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="cgstore", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
     app.state.context = ctx
     install_error_handlers(app)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
