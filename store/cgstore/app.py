@@ -17,7 +17,7 @@ from cgstore.core.db import Database
 from cgstore.core.http import ERROR_RESPONSES, install_error_handlers
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.health.router import router as health_router
-from cgstore.operations import leases
+from cgstore.operations import gc, leases
 from cgstore.operations import service as operations
 from cgstore.settings import Settings
 from cgstore.storage import open_storage
@@ -50,6 +50,7 @@ def _background_tasks(ctx: StoreContext) -> list[asyncio.Task]:
         asyncio.create_task(
             operations.run_periodically(ctx, leases.UPLOAD_REAPER, ctx.settings.reaper_interval_s, operations.reap_sessions)
         ),
+        asyncio.create_task(operations.run_periodically(ctx, leases.GC, ctx.settings.gc_interval_s, gc.collect_garbage)),
     ]
 
 

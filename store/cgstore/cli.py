@@ -1,4 +1,4 @@
-"""The ``cgstore`` command: serve, migrate, mint tokens, reclaim abandoned uploads."""
+"""The ``cgstore`` command: serve, migrate, mint tokens, reclaim abandoned uploads, collect garbage."""
 
 from __future__ import annotations
 
@@ -116,6 +116,39 @@ def uploads_reap() -> None:
         typer.echo("another instance is reaping now (it holds the upload-reaper lease)", err=True)
         raise typer.Exit(1)
     typer.echo(f"reaped {reaped} sessions")
+
+
+@app.command("gc")
+def gc_command(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted; delete nothing.")] = False,
+    grace: Annotated[str | None, typer.Option(help="Keep blobs linked more recently than this (default CGSTORE_GC_GRACE_S).")] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, max=10_000, help="Blobs per batch (default CGSTORE_GC_BATCH_SIZE).")] = None,
+) -> None:
+    """Delete blobs nothing keeps and reap expired upload sessions; one line per blob, a JSON summary last."""
+    import json
+
+    from cgstore.app import build_context
+    from cgstore.operations import gc, leases
+
+    ctx = build_context(Settings())
+    options = {"grace_s": None if grace is None else parse_duration(grace), "batch_size": batch_size}
+    if dry_run:  # reads only: needs no lease, disturbs no running collection
+        report = gc.collect(ctx, dry_run=True, **options)
+    else:
+        lease = leases.acquire(ctx.db, leases.GC, ctx.instance, ctx.settings.lease_ttl_s)
+        if lease is None:
+            typer.echo("another instance is collecting now (it holds the gc lease)", err=True)
+            raise typer.Exit(1)
+        try:
+            report = gc.collect(ctx, lease=lease, **options)
+        finally:
+            lease.release()
+    verb = "would delete" if dry_run else "deleted"
+    for digest in report.blobs:
+        typer.echo(f"{verb} {digest}")
+    for session_id in report.sessions:
+        typer.echo(f"would reap upload session {session_id}")
+    typer.echo(json.dumps(report.summary()))
 
 
 if __name__ == "__main__":

@@ -350,12 +350,29 @@ def _forget_session(ctx: StoreContext, session_id: str) -> None:
         session.execute(delete(UploadSession).where(UploadSession.id == session_id))
 
 
+def expired_session_ids(ctx: StoreContext, now: dt.datetime | None = None, limit: int = 1000) -> list[str]:
+    """Sessions past their expiry, oldest expiry first (what the reaper takes next)."""
+    with ctx.db.session() as session:
+        return list(
+            session.scalars(
+                select(UploadSession.id)
+                .where(UploadSession.expires_at <= (now or utcnow()))
+                .order_by(UploadSession.expires_at)
+                .limit(limit)
+            )
+        )
+
+
 def reap_expired_sessions(
-    ctx: StoreContext, now: dt.datetime | None = None, heartbeat: Callable[[], None] = lambda: None
+    ctx: StoreContext,
+    now: dt.datetime | None = None,
+    heartbeat: Callable[[], None] = lambda: None,
+    orphan_age_s: float | None = None,
 ) -> int:
     """Reclaim expired sessions' staged bytes and orphaned writes; returns how many were reaped.
 
     ``heartbeat`` runs between sessions: the periodic task renews its lease there.
+    Orphaned writes count as such after ``orphan_age_s`` (default: the session TTL).
     """
     now = now or utcnow()
     with ctx.db.session() as session:
@@ -366,7 +383,8 @@ def reap_expired_sessions(
         _forget_session(ctx, found.id)
     # Writes of a process that died mid-upload have no session row; a write idle
     # for as long as a session may be is abandoned too.
-    orphans = ctx.storage.sweep_orphans(older_than_s=ctx.settings.upload_session_ttl_s)
+    age_s = ctx.settings.upload_session_ttl_s if orphan_age_s is None else orphan_age_s
+    orphans = ctx.storage.sweep_orphans(older_than_s=age_s)
     return len(expired) + orphans
 
 

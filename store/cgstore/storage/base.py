@@ -86,6 +86,11 @@ class Storage(abc.ABC):
     def delete(self, digest: str) -> None:
         """Remove a blob (garbage collection). Absent is not an error."""
 
+    def delete_many(self, digests: list[str]) -> None:
+        """Remove several blobs (garbage collection batches). Absent ones are not an error."""
+        for digest in digests:
+            self.delete(digest)
+
     # -- staged uploads (resumable sessions) -------------------------------
     @abc.abstractmethod
     def stage_begin(self, session_id: str) -> StagedUpload:

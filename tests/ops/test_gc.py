@@ -1,0 +1,344 @@
+"""Garbage collection on both configurations: exactly the orphans go, in batches, dry-run first.
+
+Each test gets a registry of its own (a fresh SQLite file + directory, or a
+fresh PostgreSQL database + bucket), so "exactly" means exactly. Blobs are
+seeded in bulk (rows by executemany, small objects written straight into the
+backend) with link times in the past, as a registry that has run for days.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import blake3
+import pytest
+from sqlalchemy import func, insert, select
+from typer.testing import CliRunner
+
+from cgstore.blobs.models import Blob, RepoBlob, UploadSession
+from cgstore.blobs.service import hold_blobs
+from cgstore.cli import app as cli
+from cgstore.core.db import utcnow
+from cgstore.operations import gc, leases
+from cgstore.repos.models import Repo
+from cgstore.settings import Settings
+from cgstore.storage.fs import FileStorage
+from cgstore.storage.hashing import blob_key
+from tests.support import services
+from tests.support.live_store import CONFIGURATIONS, LiveStore, running_store, unique_repo
+
+NOW = utcnow()
+OLD = NOW - dt.timedelta(days=2)
+RECENT = NOW - dt.timedelta(hours=1)
+GRACE_S = 24 * 3600
+
+
+@pytest.fixture(params=CONFIGURATIONS)
+def registry(request, tmp_path) -> LiveStore:
+    """A store on a registry no other test shares."""
+    with contextlib.ExitStack() as stack:
+        if request.param == "embedded":
+            settings = Settings(home=tmp_path / "home", reaper_interval_s=3600)
+        else:
+            s3 = request.getfixturevalue("s3_server")
+            services.use_test_aws_credentials()
+            url = stack.enter_context(services.postgres_database("cgstore_gc"))
+            settings = Settings(
+                home=tmp_path / "home",
+                database_url=url,
+                storage_url=s3.storage_url(s3.create_bucket()),
+                reaper_interval_s=3600,
+            )
+        yield stack.enter_context(running_store(settings, request.param))
+
+
+# -- seeding ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Seeded:
+    digest: str
+    data: bytes
+
+
+def make_blobs(count: int, tag: str) -> list[Seeded]:
+    blobs = []
+    for i in range(count):
+        data = f"{tag}-{i}".encode()
+        blobs.append(Seeded("blake3:" + blake3.blake3(data).hexdigest(), data))
+    return blobs
+
+
+def write_objects(live: LiveStore, blobs: list[Seeded]) -> None:
+    """Small objects straight into the backend, in parallel on S3."""
+    storage = live.context.storage
+    if isinstance(storage, FileStorage):
+        for blob in blobs:
+            path = storage.root / blob_key(blob.digest.removeprefix("blake3:"))
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(blob.data)
+        return
+
+    def put(blob: Seeded) -> None:
+        storage.client.put_object(Bucket=storage.bucket, Key=storage.blob_key(blob.digest), Body=blob.data)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, blobs))
+
+
+def stored_digests(live: LiveStore) -> set[str]:
+    """Every blob object in the backend, as digests."""
+    storage = live.context.storage
+    if isinstance(storage, FileStorage):
+        return {"blake3:" + path.name for path in (storage.root / "blobs").rglob("*") if path.is_file()}
+    found = set()
+    paginator = storage.client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=storage.bucket, Prefix=storage.key("blobs/")):
+        found |= {"blake3:" + item["Key"].rsplit("/", 1)[-1] for item in page.get("Contents", [])}
+    return found
+
+
+def make_repo(live: LiveStore) -> int:
+    with live.context.db.session() as session:
+        session.execute(insert(Repo).values(owner="gc", name=unique_repo(), visibility="owner", created_by="t", created_at=OLD))
+        return session.scalar(select(func.max(Repo.id)))
+
+
+def seed_rows(live: LiveStore, blobs: list[Seeded], linked_at: dt.datetime, repo_id: int | None = None,
+              link_created_at: dt.datetime | None = None) -> None:
+    rows = [{"digest": b.digest, "size": len(b.data), "created_at": OLD, "linked_at": linked_at} for b in blobs]
+    with live.context.db.session() as session:
+        session.execute(insert(Blob), rows)
+        if repo_id is not None:
+            links = [{"repo_id": repo_id, "digest": b.digest, "linked_by": "t", "created_at": link_created_at} for b in blobs]
+            session.execute(insert(RepoBlob), links)
+
+
+def blob_rows(live: LiveStore) -> set[str]:
+    with live.context.db.session() as session:
+        return set(session.scalars(select(Blob.digest)))
+
+
+# -- 10k blobs, a third orphaned -------------------------------------------------------------
+
+def test_exactly_the_orphans_are_reclaimed_in_batches_after_a_matching_dry_run(registry):
+    live = registry
+    repo_id = make_repo(live)
+    blobs = make_blobs(10_000, "gc")
+    recently_linked = blobs[1::3]           # kept: linked within the grace
+    young_link = blobs[2::3]                # kept: linked long ago, but a repo link is young
+    orphans = blobs[0::3]                   # 3334: nothing keeps them
+    linked_orphans, bare_orphans = orphans[::2], orphans[1::2]
+    seed_rows(live, recently_linked, RECENT)
+    seed_rows(live, young_link, OLD, repo_id, link_created_at=RECENT)
+    seed_rows(live, linked_orphans, OLD, repo_id, link_created_at=OLD)
+    seed_rows(live, bare_orphans, OLD)
+    # Ten orphans' objects are already gone: deleting them still counts as done.
+    already_missing = {b.digest for b in bare_orphans[:10]}
+    write_objects(live, [b for b in blobs if b.digest not in already_missing])
+    orphan_digests = {b.digest for b in orphans}
+    kept = {b.digest for b in blobs} - orphan_digests
+
+    dry = gc.collect(live.context, dry_run=True, now=NOW, grace_s=GRACE_S, batch_size=500)
+    assert set(dry.blobs) == orphan_digests and len(dry.blobs) == 3334
+    assert blob_rows(live) == kept | orphan_digests  # a dry run deletes nothing
+    assert len(stored_digests(live)) == 10_000 - 10
+
+    real = gc.collect(live.context, now=NOW, grace_s=GRACE_S, batch_size=500)
+    assert real.blobs == dry.blobs  # the same set, in the same order
+    assert real.batches == [500] * 6 + [334]
+    assert real.bytes == sum(len(b.data) for b in orphans)
+    assert blob_rows(live) == kept
+    assert stored_digests(live) == kept
+    with live.context.db.session() as session:
+        assert session.scalar(select(func.count()).select_from(RepoBlob).where(RepoBlob.repo_id == repo_id)) == len(young_link)
+
+    again = gc.collect(live.context, now=NOW, grace_s=GRACE_S, batch_size=500)
+    assert again.blobs == [] and blob_rows(live) == kept
+
+
+# -- resuming, visibility, the lease ---------------------------------------------------------
+
+def test_a_run_that_died_after_condemning_is_finished_by_the_next(registry):
+    live = registry
+    blobs = make_blobs(30, "resume")
+    seed_rows(live, blobs, OLD)
+    write_objects(live, blobs)
+    cutoff = NOW - dt.timedelta(seconds=GRACE_S)
+    condemned = gc.condemn(live.context, [b.digest for b in blobs[:10]], cutoff, NOW)
+    assert len(condemned) == 10  # ... and the process died here, before deleting anything
+
+    dry = gc.collect(live.context, dry_run=True, now=NOW, grace_s=GRACE_S, batch_size=7)
+    report = gc.collect(live.context, now=NOW, grace_s=GRACE_S, batch_size=7)
+    assert sorted(dry.blobs) == sorted(report.blobs) == sorted(b.digest for b in blobs)
+    assert report.batches[:2] == [7, 3]  # the unfinished ten first, in batches too
+    assert blob_rows(live) == set() and stored_digests(live) == set()
+
+
+def test_a_condemned_blob_reads_as_absent_and_cannot_be_relinked(registry):
+    live = registry
+    name = unique_repo()
+    token = live.mint("alice", f"acme/{name}:read,write")
+    data = b"condemned bytes"
+    digest = "blake3:" + blake3.blake3(data).hexdigest()
+    with live.client(token) as client:
+        assert client.put(f"/v1/repos/acme/{name}/blobs/{digest}", content=data).status_code == 201
+        # Make it old enough, then condemn it (a GC run between its steps).
+        with live.context.db.session() as session:
+            session.execute(Blob.__table__.update().where(Blob.digest == digest).values(linked_at=OLD))
+            session.execute(RepoBlob.__table__.update().where(RepoBlob.digest == digest).values(created_at=OLD))
+        assert gc.condemn(live.context, [digest], NOW - dt.timedelta(seconds=GRACE_S), NOW) == [digest]
+        assert client.head(f"/v1/repos/acme/{name}/blobs/{digest}").status_code == 404
+        missing = client.post(f"/v1/repos/acme/{name}/blobs:missing", json={"digests": [digest]})
+        assert missing.json() == {"missing": [digest]}
+        again = client.put(f"/v1/repos/acme/{name}/blobs/{digest}", content=data)
+        assert again.status_code == 503 and again.json()["error"]["code"] == "UNAVAILABLE"
+        # Once GC finished, the same bytes upload afresh.
+        gc.collect(live.context, now=NOW, grace_s=GRACE_S)
+        assert client.put(f"/v1/repos/acme/{name}/blobs/{digest}", content=data).status_code == 201
+        assert client.get(f"/v1/repos/acme/{name}/blobs/{digest}", follow_redirects=True).content == data
+
+
+def test_gc_saves_its_cursor_in_the_lease_and_a_successor_resumes_there(registry):
+    live = registry
+    blobs = sorted(make_blobs(20, "cursor"), key=lambda b: b.digest)
+    seed_rows(live, blobs, OLD)
+    write_objects(live, blobs)
+    lease = leases.acquire(live.context.db, leases.GC, "first", ttl_s=60)
+    lease.save_cursor(blobs[9].digest)  # the first holder got this far, then died
+    successor = leases.acquire(live.context.db, leases.GC, "second", ttl_s=60, now=utcnow() + dt.timedelta(minutes=5))
+    assert successor.cursor == blobs[9].digest
+    report = gc.collect(live.context, lease=successor, now=NOW, grace_s=GRACE_S, batch_size=4)
+    assert report.blobs == [b.digest for b in blobs[10:]]
+    assert leases.acquire(live.context.db, leases.GC, "second", ttl_s=60).cursor is None  # full pass: reset
+
+
+def test_expired_sessions_are_listed_by_the_dry_run_and_reaped(registry):
+    live = registry
+    name = unique_repo()
+    token = live.mint("alice", f"acme/{name}:read,write")
+    with live.client(token) as client:
+        location = client.post(f"/v1/repos/acme/{name}/uploads").headers["location"]
+        assert client.patch(location, content=b"x" * 1000, headers={"Content-Range": "0-999"}).status_code == 202
+    session_id = location.rsplit("/", 1)[-1]
+    with live.context.db.session() as session:
+        session.execute(UploadSession.__table__.update().where(UploadSession.id == session_id).values(expires_at=OLD))
+    dry = gc.collect(live.context, dry_run=True, now=NOW, grace_s=GRACE_S)
+    assert dry.sessions == [session_id]
+    report = gc.collect(live.context, now=NOW, grace_s=GRACE_S)
+    assert report.sessions_reaped >= 1
+    with live.context.db.session() as session:
+        assert session.get(UploadSession, session_id) is None
+    if live.is_s3:
+        storage = live.context.storage
+        assert storage.client.list_objects_v2(Bucket=storage.bucket, Prefix=storage.key("uploads/")).get("KeyCount") == 0
+
+
+def test_cli_gc_dry_run_lists_what_the_real_run_deletes(registry, monkeypatch):
+    live = registry
+    keep, drop = make_blobs(12, "cli-keep"), make_blobs(9, "cli-drop")
+    seed_rows(live, keep, RECENT)
+    seed_rows(live, drop, OLD)
+    write_objects(live, keep + drop)
+    for key, value in {
+        "CGSTORE_HOME": str(live.settings.home),
+        "CGSTORE_DATABASE_URL": live.settings.resolved_database_url,
+        "CGSTORE_STORAGE_URL": live.settings.resolved_storage_url,
+    }.items():
+        monkeypatch.setenv(key, value)
+    runner = CliRunner()
+    dry = runner.invoke(cli, ["gc", "--dry-run", "--grace", "1d", "--batch-size", "4"])
+    assert dry.exit_code == 0, dry.output
+    real = runner.invoke(cli, ["gc", "--grace", "1d", "--batch-size", "4"])
+    assert real.exit_code == 0, real.output
+    listed = {line.split()[-1] for line in dry.output.splitlines() if line.startswith("would delete ")}
+    deleted = {line.split()[-1] for line in real.output.splitlines() if line.startswith("deleted ")}
+    assert listed == deleted == {b.digest for b in drop}
+    summary = json.loads(real.output.splitlines()[-1])
+    assert summary["blobs"] == 9 and summary["batches"] == 3 and not summary["dry_run"]
+    assert blob_rows(live) == {b.digest for b in keep}
+
+
+def test_cli_gc_refuses_while_another_instance_holds_the_lease(registry, monkeypatch):
+    live = registry
+    monkeypatch.setenv("CGSTORE_HOME", str(live.settings.home))
+    monkeypatch.setenv("CGSTORE_DATABASE_URL", live.settings.resolved_database_url)
+    monkeypatch.setenv("CGSTORE_STORAGE_URL", live.settings.resolved_storage_url)
+    assert leases.acquire(live.context.db, leases.GC, "busy-replica", ttl_s=600) is not None
+    result = CliRunner().invoke(cli, ["gc"])
+    assert result.exit_code == 1 and "holds the gc lease" in result.output
+
+
+# -- publish racing GC, interleaved deterministically -------------------------------------------
+
+@pytest.fixture
+def old_orphan(registry) -> str:
+    blob = make_blobs(1, f"race-{time.monotonic_ns()}")[0]
+    seed_rows(registry, [blob], OLD)
+    write_objects(registry, [blob])
+    return blob.digest
+
+
+def cutoff() -> dt.datetime:
+    return NOW - dt.timedelta(seconds=GRACE_S)
+
+
+def test_a_publish_that_commits_before_the_condemn_keeps_the_blob(registry, old_orphan):
+    assert [d for d, _ in gc.find_candidates(registry.context, cutoff(), "", 10)] == [old_orphan]
+    with registry.context.db.session() as publish:
+        assert hold_blobs(publish, [old_orphan]) == set()
+    assert gc.condemn(registry.context, [old_orphan], cutoff(), NOW) == []  # GC re-reads the row
+    assert gc.collect(registry.context, now=NOW, grace_s=GRACE_S).blobs == []
+    assert registry.context.storage.size(old_orphan) is not None
+
+
+def test_a_publish_after_the_condemn_is_refused(registry, old_orphan):
+    assert gc.condemn(registry.context, [old_orphan], cutoff(), NOW) == [old_orphan]
+    with registry.context.db.session() as publish:
+        assert hold_blobs(publish, [old_orphan]) == {old_orphan}  # the publish answers BLOB_UNKNOWN
+    gc.collect(registry.context, now=NOW, grace_s=GRACE_S)
+    assert registry.context.storage.size(old_orphan) is None and blob_rows(registry) == set()
+
+
+def run_in_thread(function, *args) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(function(*args)), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_condemn_waits_for_an_open_publish_transaction_and_then_spares_the_blob(registry, old_orphan):
+    ctx = registry.context
+    with ctx.db.session() as publish:
+        assert hold_blobs(publish, [old_orphan]) == set()
+        # GC's conditional UPDATE of the same row blocks on the publish's write...
+        thread, condemned = run_in_thread(gc.condemn, ctx, [old_orphan], cutoff(), NOW)
+        thread.join(0.5)
+        assert thread.is_alive() and condemned == []
+    # ...and, once the publish committed, re-reads linked_at and spares the blob.
+    thread.join(30)
+    assert condemned == [[]]
+    assert ctx.storage.size(old_orphan) is not None and blob_rows(registry) == {old_orphan}
+
+
+def test_a_publish_waits_for_an_open_condemn_transaction_and_then_is_refused(registry, old_orphan):
+    ctx = registry.context
+
+    def publish() -> set[str]:
+        with ctx.db.session() as session:
+            return hold_blobs(session, [old_orphan])
+
+    with ctx.db.session() as collection:
+        assert gc.condemn_in(collection, [old_orphan], cutoff(), NOW) == [old_orphan]
+        thread, missing = run_in_thread(publish)
+        thread.join(0.5)
+        assert thread.is_alive() and missing == []
+    thread.join(30)
+    assert missing == [{old_orphan}]
+    gc.collect(ctx, now=NOW, grace_s=GRACE_S)
+    assert ctx.storage.size(old_orphan) is None and blob_rows(registry) == set()
