@@ -37,6 +37,7 @@ from cgstore.core.errors import (
     TooLarge,
     Unavailable,
 )
+from cgstore.core.faults import crash_point
 from cgstore.repos.models import Repo
 from cgstore.repos.service import readable_repo, writable_repo
 from cgstore.storage import StagedUpload
@@ -136,6 +137,7 @@ def upload(
         for chunk in chunks:
             writer.write(chunk)
         size = writer.commit()
+    crash_point("upload.stored")
     _link(ctx, claims, target, digest, size, action="blob.upload")
     return size
 
@@ -279,6 +281,7 @@ def append(
     staged = ctx.storage.stage_append(StagedUpload(found.id, found.offset, found.storage_state), counted)
     if expected is not None and staged.offset - found.offset != expected:
         raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=staged.offset - found.offset)
+    crash_point("session.staged")
     with ctx.db.session() as session:
         # Compare-and-set on the offset: of two racing chunks at one offset, one wins.
         moved = session.execute(
@@ -324,6 +327,7 @@ def commit_session(
         # The storage dropped the staged bytes: a mismatch leaves nothing to resume.
         _forget_session(ctx, found.id)
         raise
+    crash_point("commit.stored")
     _forget_session(ctx, found.id)
     with ctx.db.session() as session:
         target = session.get(Repo, found.repo_id)
