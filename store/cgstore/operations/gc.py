@@ -37,6 +37,7 @@ from cgstore.blobs import service as blobs_service
 from cgstore.blobs.models import Blob, RepoBlob
 from cgstore.core.context import StoreContext
 from cgstore.core.db import utcnow
+from cgstore.core.faults import crash_point
 from cgstore.operations.leases import HeldLease
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,7 @@ def collect(
             continue
         sizes = dict(batch)
         condemned = condemn(ctx, list(sizes), cutoff, now)
+        crash_point("gc.condemned")
         reclaim(ctx, condemned)
         note_batch([(digest, sizes[digest]) for digest in condemned])
         if lease is not None:
