@@ -147,3 +147,25 @@ def test_the_reaper_runs_on_one_replica_and_moves_when_its_holder_is_killed(pg_u
                 assert took <= ttl_s + 2.0
     finally:
         db.dispose()
+
+
+def test_cli_reap_takes_the_reaper_lease_and_lets_it_go(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cgstore.cli import app as cli
+
+    url = f"sqlite:///{tmp_path / 'home' / 'cgstore.sqlite3'}"
+    migrate.upgrade(url)
+    monkeypatch.setenv("CGSTORE_HOME", str(tmp_path / "home"))
+    db = Database(url)
+    try:
+        held = leases.acquire(db, leases.UPLOAD_REAPER, "a-server", ttl_s=600)
+        busy = CliRunner().invoke(cli, ["uploads", "reap"])
+        assert busy.exit_code == 1 and "holds the upload-reaper lease" in busy.output
+        held.release()
+        done = CliRunner().invoke(cli, ["uploads", "reap"])
+        assert done.exit_code == 0 and "reaped 0 sessions" in done.output
+        # Released again at once: the server's next round need not wait for the expiry.
+        assert leases.acquire(db, leases.UPLOAD_REAPER, "a-server", ttl_s=600) is not None
+    finally:
+        db.dispose()
