@@ -345,3 +345,19 @@ def test_a_publish_waits_for_an_open_condemn_transaction_and_then_is_refused(reg
     assert missing == [{old_orphan}]
     gc.collect(ctx, now=NOW, grace_s=GRACE_S)
     assert ctx.storage.size(old_orphan) is None and blob_rows(registry) == set()
+
+
+def test_the_server_collects_periodically_under_the_lease_and_counts_it(tmp_path):
+    settings = Settings(home=tmp_path / "home", reaper_interval_s=3600, gc_interval_s=0.2, gc_grace_s=3600)
+    with running_store(settings, "embedded") as live:
+        blobs = make_blobs(5, "periodic")
+        seed_rows(live, blobs, OLD)
+        write_objects(live, blobs)
+        deadline = time.monotonic() + 20
+        while blob_rows(live) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert blob_rows(live) == set() and stored_digests(live) == set()
+        with live.client() as client:
+            metrics = client.get("/metrics").text
+    assert 'cgstore_background_rounds_total{outcome="ran",task="gc"}' in metrics
+    assert "cgstore_gc_blobs_deleted_total 5.0" in metrics

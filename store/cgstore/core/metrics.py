@@ -1,4 +1,4 @@
-"""Prometheus metrics: request counts and latencies, bytes in/out, open upload sessions.
+"""Prometheus metrics: requests, bytes in/out, open upload sessions, background tasks and GC.
 
 Collected by a pure ASGI middleware (it never buffers a streamed body) into a
 registry owned by the app, so several apps in one process don't collide.
@@ -30,6 +30,19 @@ class Metrics:
         self.upload_sessions_open = Gauge(
             "cgstore_upload_sessions_open", "Upload sessions open (not committed, cancelled or expired).",
             registry=self.registry,
+        )
+
+        self.background_rounds = Counter(
+            "cgstore_background_rounds_total",
+            "Rounds of background tasks: ran here, skipped (another replica holds the lease), failed.",
+            ["task", "outcome"],
+            registry=self.registry,
+        )
+        self.gc_blobs_deleted = Counter(
+            "cgstore_gc_blobs_deleted_total", "Blobs garbage collection deleted.", registry=self.registry
+        )
+        self.gc_bytes_deleted = Counter(
+            "cgstore_gc_bytes_deleted_total", "Bytes of the blobs garbage collection deleted.", registry=self.registry
         )
 
     def watch_upload_sessions(self, count: Callable[[], int]) -> None:

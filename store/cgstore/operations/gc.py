@@ -207,6 +207,8 @@ def _collect_sessions(
 def collect_garbage(ctx: StoreContext, lease: HeldLease) -> int:
     """The periodic GC round (``operations.service.run_periodically``): returns blobs deleted."""
     report = collect(ctx, lease=lease)
+    ctx.metrics.gc_blobs_deleted.inc(len(report.blobs))
+    ctx.metrics.gc_bytes_deleted.inc(report.bytes)
     if report.blobs or report.sessions_reaped:
         log.info("gc: %s", report.summary())
     return len(report.blobs)

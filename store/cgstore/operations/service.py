@@ -39,14 +39,18 @@ def run_exclusively(ctx: StoreContext, name: str, task: Task) -> int | None:
 
 async def run_periodically(ctx: StoreContext, name: str, interval_s: float, task: Task) -> None:
     """Every ``interval_s``, one round of ``task`` under its lease; outages are retried next round."""
+    rounds = ctx.metrics.background_rounds
     while True:
         await asyncio.sleep(interval_s)
         try:
             done = await run_in_threadpool(run_exclusively, ctx, name, task)
-            if done:
-                log.info("%s: %d done", name, done)
         except Exception:  # an outage must not kill the loop; it tries again next round
             log.exception("background task %s failed", name)
+            rounds.labels(name, "failed").inc()
+            continue
+        rounds.labels(name, "skipped" if done is None else "ran").inc()
+        if done:
+            log.info("%s: %d done", name, done)
 
 
 def reap_sessions(ctx: StoreContext, lease: HeldLease) -> int:
