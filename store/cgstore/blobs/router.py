@@ -8,10 +8,10 @@ from starlette.concurrency import run_in_threadpool
 
 from cgstore.blobs import service
 from cgstore.blobs.schemas import MissingAnswer, MissingQuery
-from cgstore.core.auth import require_claims
-from cgstore.core.context import StoreContext, get_context
-from cgstore.core.http import NO_BODY, body_chunks, declared_length, parse_range, read_json
-from cgstore.tokens.service import Claims
+from cgstore.context import StoreContext, get_context
+from cgstore.core.http import NO_BODY, declared_length, feed_body, parse_content_range, parse_range, read_json
+from cgstore.tokens.claims import Claims
+from cgstore.tokens.dependencies import require_claims
 
 router = APIRouter(prefix="/v1/repos/{owner}/{repo}", tags=["blobs"])
 
@@ -83,9 +83,7 @@ async def put_blob(
     owner: str, repo: str, digest: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
-    size = await run_in_threadpool(
-        service.upload, ctx, claims, owner, repo, digest, declared_length(request), body_chunks(request)
-    )
+    size = await feed_body(request, service.upload(ctx, claims, owner, repo, digest, declared_length(request)))
     return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
 
 
@@ -117,10 +115,8 @@ async def upload_chunk(
     owner: str, repo: str, session_id: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
-    content_range = service.parse_content_range(request.headers.get("content-range"))
-    offset = await run_in_threadpool(
-        service.append, ctx, claims, owner, repo, session_id, content_range, body_chunks(request)
-    )
+    content_range = parse_content_range(request.headers.get("content-range"))
+    offset = await feed_body(request, service.append(ctx, claims, owner, repo, session_id, content_range))
     return Response(status_code=202, headers=_upload_headers(owner, repo, session_id, offset))
 
 
@@ -139,9 +135,7 @@ async def commit_upload(
     digest: str = Query(max_length=100),
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
-    size = await run_in_threadpool(
-        service.commit_session, ctx, claims, owner, repo, session_id, digest, body_chunks(request)
-    )
+    size = await feed_body(request, service.commit_session(ctx, claims, owner, repo, session_id, digest))
     return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
 
 

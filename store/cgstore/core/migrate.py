@@ -21,6 +21,8 @@ MAX_RETRY_PAUSE_S = 5.0
 #: A host that drops packets must not stall one attempt past the whole wait.
 CONNECT_TIMEOUT_S = 5
 
+from cgstore.core.db import prepare_sqlite_file
+
 
 def migrations_dir() -> Path:
     override = os.environ.get(MIGRATIONS_DIR_ENV)
@@ -66,8 +68,7 @@ def wait_for_database(url: str, wait_s: float) -> None:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    prepare_sqlite_file(url)
     command.upgrade(alembic_config(url), revision)
 
 

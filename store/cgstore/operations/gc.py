@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.models import Blob, RepoBlob
-from cgstore.core.context import StoreContext
+from cgstore.context import StoreContext
 from cgstore.core.db import utcnow
 from cgstore.core.faults import crash_point
 from cgstore.operations.leases import HeldLease

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from starlette.concurrency import run_in_threadpool
 
 from cgstore.blobs import service as blobs_service
-from cgstore.core.context import StoreContext
+from cgstore.context import StoreContext
 from cgstore.operations import leases
 from cgstore.operations.leases import HeldLease, LeaseLost
 
