@@ -390,3 +390,22 @@ def test_writes_orphaned_longer_than_the_grace_are_reclaimed(registry):
         assert not stale.exists() and fresh.exists()
     else:
         assert storage.client.list_multipart_uploads(Bucket=storage.bucket).get("Uploads", []) == []
+
+
+def test_a_session_commit_of_a_condemned_blob_answers_503_and_keeps_the_session(registry):
+    live = registry
+    name = unique_repo()
+    token = live.mint("alice", f"acme/{name}:read,write")
+    data = b"bytes GC is deleting"
+    digest = "blake3:" + blake3.blake3(data).hexdigest()
+    seed_rows(live, [Seeded(digest, data)], OLD)
+    assert gc.condemn(live.context, [digest], NOW - dt.timedelta(seconds=GRACE_S), NOW) == [digest]
+    with live.client(token) as client:
+        location = client.post(f"/v1/repos/acme/{name}/uploads").headers["location"]
+        assert client.patch(location, content=data, headers={"Content-Range": f"0-{len(data) - 1}"}).status_code == 202
+        refused = client.put(location, params={"digest": digest})
+        assert refused.status_code == 503, refused.text
+        gc.collect(live.context, now=NOW, grace_s=GRACE_S)  # GC finishes ...
+        committed = client.put(location, params={"digest": digest})  # ... and the same session commits
+        assert committed.status_code == 201, committed.text
+        assert client.get(f"/v1/repos/acme/{name}/blobs/{digest}", follow_redirects=True).content == data

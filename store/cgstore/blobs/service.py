@@ -321,6 +321,9 @@ def commit_session(
     if first is not None:
         yield from _append_from(first, append(ctx, claims, owner, repo, session_id, None))
     found = _find_session(ctx, claims, owner, repo, session_id)
+    with ctx.db.session() as session:
+        # 503 while GC deletes these bytes, before the commit consumes the session: the client retries it.
+        _stored(session, digest)
     staged = StagedUpload(found.id, found.offset, found.storage_state)
     try:
         size = ctx.storage.stage_commit(staged, digest)
