@@ -217,8 +217,9 @@ def test_gc_saves_its_cursor_in_the_lease_and_a_successor_resumes_there(registry
     lease.save_cursor(blobs[9].digest)  # the first holder got this far, then died
     successor = leases.acquire(live.context.db, leases.GC, "second", ttl_s=60, now=utcnow() + dt.timedelta(minutes=5))
     assert successor.cursor == blobs[9].digest
+    dry = gc.collect(live.context, dry_run=True, now=NOW, grace_s=GRACE_S, batch_size=4)
     report = gc.collect(live.context, lease=successor, now=NOW, grace_s=GRACE_S, batch_size=4)
-    assert report.blobs == [b.digest for b in blobs[10:]]
+    assert report.blobs == dry.blobs == [b.digest for b in blobs[10:]]
     assert leases.acquire(live.context.db, leases.GC, "second", ttl_s=60).cursor is None  # full pass: reset
 
 

@@ -38,6 +38,7 @@ from cgstore.blobs.models import Blob, RepoBlob
 from cgstore.context import StoreContext
 from cgstore.core.db import utcnow
 from cgstore.core.faults import crash_point
+from cgstore.operations import leases
 from cgstore.operations.leases import HeldLease
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,9 @@ def collect(
             if lease is not None:
                 lease.renew()
         note_batch(unfinished)
-    cursor = (lease.cursor if lease is not None else None) or ""
+    # A dry run starts where the next real run will: the cursor a dead holder saved.
+    saved = lease.cursor if lease is not None else leases.saved_cursor(ctx.db, leases.GC) if dry_run else None
+    cursor = saved or ""
     while batch := find_candidates(ctx, cutoff, cursor, batch_size):
         cursor = batch[-1][0]
         if dry_run:

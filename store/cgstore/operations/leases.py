@@ -98,6 +98,13 @@ def acquire(db: Database, name: str, holder: str, ttl_s: float, now: dt.datetime
         return HeldLease(db, name, holder, ttl_s, row.generation, row.cursor)
 
 
+def saved_cursor(db: Database, name: str) -> str | None:
+    """The cursor the lease ``name`` carries (where its task's next run starts), without taking it."""
+    with db.session() as session:
+        row = session.get(Lease, name)
+        return row.cursor if row is not None else None
+
+
 def release(db: Database, holder: str, name: str | None = None) -> int:
     """Let ``holder``'s leases (or just ``name``) lapse now; returns how many it held."""
     with db.session() as session:
