@@ -1,7 +1,7 @@
 """Operations: leases for background tasks; the blob columns garbage collection works with.
 
 Revision ID: 0006_operations
-Revises: 0003_audit
+Revises: 0005_records
 Create Date: 2026-12-03
 
 ``leases`` lets one replica at a time run each background task (reaper, GC).
@@ -19,7 +19,7 @@ from alembic import op
 from cgstore.core.db import UTCDateTime
 
 revision = "0006_operations"
-down_revision = "0003_audit"
+down_revision = "0005_records"
 branch_labels = None
 depends_on = None
 

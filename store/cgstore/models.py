@@ -2,6 +2,7 @@
 
 from cgstore.audit.models import AuditEvent
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
+from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
 from cgstore.core.db import Base
 from cgstore.operations.models import Lease
 from cgstore.owners.models import Owner, Principal
@@ -9,6 +10,7 @@ from cgstore.repos.models import Repo
 from cgstore.tokens.models import SigningKey, TokenRecord
 
 __all__ = [
-    "AuditEvent", "Base", "Blob", "Lease", "Owner", "Principal", "Repo", "RepoBlob", "SigningKey", "TokenRecord",
+    "AuditEvent", "Base", "Blob", "CompiledGraph", "CompiledGraphComponent", "Lease", "Owner", "Principal", "Repo",
+    "RepoBlob", "SigningKey", "TokenRecord",
     "UploadSession",
 ]

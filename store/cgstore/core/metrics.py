@@ -1,4 +1,5 @@
-"""Prometheus metrics: requests, bytes in/out, open upload sessions, background tasks and GC.
+"""Prometheus metrics: requests, bytes, upload sessions, publish outcomes, resolve hits and misses,
+background tasks and GC.
 
 Collected by a pure ASGI middleware (it never buffers a streamed body) into a
 registry owned by the app, so several apps in one process don't collide.
@@ -43,6 +44,16 @@ class Metrics:
         )
         self.gc_bytes_deleted = Counter(
             "cgstore_gc_bytes_deleted_total", "Bytes of the blobs garbage collection deleted.", registry=self.registry
+        )
+        self.publishes = Counter(
+            "cgstore_publish_total",
+            "Compiled-graph publishes by outcome (created, exists, conflict, refused) and protocol code.",
+            ["outcome", "code"],
+            registry=self.registry,
+        )
+        self.resolve_answers = Counter(
+            "cgstore_resolve_answers_total", "Resolve answers per family: hit or miss.", ["family", "status"],
+            registry=self.registry,
         )
 
     def watch_upload_sessions(self, count: Callable[[], int]) -> None:
