@@ -7,7 +7,8 @@ Create Date: 2026-12-03
 ``leases`` lets one replica at a time run each background task (reaper, GC).
 ``blobs.linked_at`` (last link, initialised from ``created_at``) and
 ``blobs.collecting_since`` (condemned by GC) close the race between a publish
-and a collection in the database. Runs on PostgreSQL and SQLite (batch mode
+and a collection in the database; ``compiled_graphs.artifact_digest`` gets the
+index GC's "does a record name this blob" needs. Runs on PostgreSQL and SQLite (batch mode
 copies the table there).
 """
 
@@ -41,9 +42,12 @@ def upgrade() -> None:
     op.execute("UPDATE blobs SET linked_at = created_at")
     with op.batch_alter_table("blobs") as batch:
         batch.alter_column("linked_at", existing_type=UTCDateTime(), nullable=False)
+    # GC asks, per blob, whether any record names it as its artifact.
+    op.create_index("ix_compiled_graphs_artifact_digest", "compiled_graphs", ["artifact_digest"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_compiled_graphs_artifact_digest", table_name="compiled_graphs")
     with op.batch_alter_table("blobs") as batch:
         batch.drop_column("collecting_since")
         batch.drop_column("linked_at")

@@ -44,3 +44,7 @@ def replicas(replica_settings) -> tuple[LiveStore, LiveStore]:
         first = stack.enter_context(running_store(replica_settings(), "replica-a"))
         second = stack.enter_context(running_store(replica_settings(), "replica-b"))
         yield first, second
+
+
+# -- a registry of its own, for GC (tests/ops/gc_support.py) --------------------------------
+from tests.ops.gc_support import registry  # noqa: E402, F401

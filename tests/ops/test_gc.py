@@ -8,18 +8,15 @@ backend) with link times in the past, as a registry that has run for days.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import blake3
 import pytest
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
@@ -27,102 +24,23 @@ from cgstore.blobs.service import hold_blobs
 from cgstore.cli import app as cli
 from cgstore.core.db import utcnow
 from cgstore.operations import gc, leases
-from cgstore.repos.models import Repo
 from cgstore.settings import Settings
 from cgstore.storage.fs import FileStorage
-from cgstore.storage.hashing import blob_key
-from tests.support import services
-from tests.support.live_store import CONFIGURATIONS, LiveStore, running_store, unique_repo
-
-NOW = utcnow()
-OLD = NOW - dt.timedelta(days=2)
-RECENT = NOW - dt.timedelta(hours=1)
-GRACE_S = 24 * 3600
-
-
-@pytest.fixture(params=CONFIGURATIONS)
-def registry(request, tmp_path) -> LiveStore:
-    """A store on a registry no other test shares."""
-    with contextlib.ExitStack() as stack:
-        if request.param == "embedded":
-            settings = Settings(home=tmp_path / "home", reaper_interval_s=3600)
-        else:
-            s3 = request.getfixturevalue("s3_server")
-            services.use_test_aws_credentials()
-            url = stack.enter_context(services.postgres_database("cgstore_gc"))
-            settings = Settings(
-                home=tmp_path / "home",
-                database_url=url,
-                storage_url=s3.storage_url(s3.create_bucket()),
-                reaper_interval_s=3600,
-            )
-        yield stack.enter_context(running_store(settings, request.param))
-
-
-# -- seeding ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Seeded:
-    digest: str
-    data: bytes
-
-
-def make_blobs(count: int, tag: str) -> list[Seeded]:
-    blobs = []
-    for i in range(count):
-        data = f"{tag}-{i}".encode()
-        blobs.append(Seeded("blake3:" + blake3.blake3(data).hexdigest(), data))
-    return blobs
-
-
-def write_objects(live: LiveStore, blobs: list[Seeded]) -> None:
-    """Small objects straight into the backend, in parallel on S3."""
-    storage = live.context.storage
-    if isinstance(storage, FileStorage):
-        for blob in blobs:
-            path = storage.root / blob_key(blob.digest.removeprefix("blake3:"))
-            path.parent.mkdir(exist_ok=True)
-            path.write_bytes(blob.data)
-        return
-
-    def put(blob: Seeded) -> None:
-        storage.client.put_object(Bucket=storage.bucket, Key=storage.blob_key(blob.digest), Body=blob.data)
-
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(put, blobs))
-
-
-def stored_digests(live: LiveStore) -> set[str]:
-    """Every blob object in the backend, as digests."""
-    storage = live.context.storage
-    if isinstance(storage, FileStorage):
-        return {"blake3:" + path.name for path in (storage.root / "blobs").rglob("*") if path.is_file()}
-    found = set()
-    paginator = storage.client.get_paginator("list_objects_v2")
-    for page in paginator.paginate(Bucket=storage.bucket, Prefix=storage.key("blobs/")):
-        found |= {"blake3:" + item["Key"].rsplit("/", 1)[-1] for item in page.get("Contents", [])}
-    return found
-
-
-def make_repo(live: LiveStore) -> int:
-    with live.context.db.session() as session:
-        session.execute(insert(Repo).values(owner="gc", name=unique_repo(), visibility="owner", created_by="t", created_at=OLD))
-        return session.scalar(select(func.max(Repo.id)))
-
-
-def seed_rows(live: LiveStore, blobs: list[Seeded], linked_at: dt.datetime, repo_id: int | None = None,
-              link_created_at: dt.datetime | None = None) -> None:
-    rows = [{"digest": b.digest, "size": len(b.data), "created_at": OLD, "linked_at": linked_at} for b in blobs]
-    with live.context.db.session() as session:
-        session.execute(insert(Blob), rows)
-        if repo_id is not None:
-            links = [{"repo_id": repo_id, "digest": b.digest, "linked_by": "t", "created_at": link_created_at} for b in blobs]
-            session.execute(insert(RepoBlob), links)
-
-
-def blob_rows(live: LiveStore) -> set[str]:
-    with live.context.db.session() as session:
-        return set(session.scalars(select(Blob.digest)))
+from tests.ops.gc_support import (
+    GRACE_S,
+    NOW,
+    OLD,
+    RECENT,
+    Seeded,
+    blob_rows,
+    make_blobs,
+    make_repo,
+    seed_records,
+    seed_rows,
+    stored_digests,
+    write_objects,
+)
+from tests.support.live_store import running_store, unique_repo
 
 
 # -- 10k blobs, a third orphaned -------------------------------------------------------------
@@ -131,18 +49,21 @@ def test_exactly_the_orphans_are_reclaimed_in_batches_after_a_matching_dry_run(r
     live = registry
     repo_id = make_repo(live)
     blobs = make_blobs(10_000, "gc")
-    recently_linked = blobs[1::3]           # kept: linked within the grace
-    young_link = blobs[2::3]                # kept: linked long ago, but a repo link is young
+    recently_linked = blobs[1::6]           # kept: linked within the grace
+    young_link = blobs[2::6] + blobs[4::6]  # kept: linked long ago, but a repo link is young
+    in_records = blobs[5::6]                # kept: linked long ago, named by a live record
     orphans = blobs[0::3]                   # 3334: nothing keeps them
     linked_orphans, bare_orphans = orphans[::2], orphans[1::2]
     seed_rows(live, recently_linked, RECENT)
     seed_rows(live, young_link, OLD, repo_id, link_created_at=RECENT)
+    seed_rows(live, in_records, OLD, repo_id, link_created_at=OLD)
+    seed_records(live, repo_id, [b.digest for b in in_records])
     seed_rows(live, linked_orphans, OLD, repo_id, link_created_at=OLD)
     seed_rows(live, bare_orphans, OLD)
     # Every orphan's object but ten (already gone: deleting them still counts as done),
     # and a tenth of the kept ones as witnesses that survive (all 10k would cost moto ~30 s).
     already_missing = {b.digest for b in bare_orphans[:10]}
-    witnesses = recently_linked[::10] + young_link[::10]
+    witnesses = recently_linked[::10] + young_link[::10] + in_records[::10]
     write_objects(live, [b for b in orphans if b.digest not in already_missing] + witnesses)
     orphan_digests = {b.digest for b in orphans}
     kept = {b.digest for b in blobs} - orphan_digests
@@ -160,7 +81,8 @@ def test_exactly_the_orphans_are_reclaimed_in_batches_after_a_matching_dry_run(r
     assert blob_rows(live) == kept
     assert stored_digests(live) == witness_digests
     with live.context.db.session() as session:
-        assert session.scalar(select(func.count()).select_from(RepoBlob).where(RepoBlob.repo_id == repo_id)) == len(young_link)
+        links = session.scalar(select(func.count()).select_from(RepoBlob).where(RepoBlob.repo_id == repo_id))
+        assert links == len(young_link) + len(in_records)
 
     again = gc.collect(live.context, now=NOW, grace_s=GRACE_S, batch_size=500)
     assert again.blobs == [] and blob_rows(live) == kept

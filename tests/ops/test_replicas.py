@@ -9,6 +9,10 @@ import blake3
 from sqlalchemy import func, select
 
 from cgstore.blobs.models import Blob, RepoBlob
+from cgstore.compiled_graphs.models import CompiledGraph
+from cgstore.repos.models import Repo
+from tests.compiled_graphs.support import CONSTANTS_A, publication, safetensors_bytes, upload_all
+from tests.support.archives import archive_report
 from tests.support.live_store import unique_repo
 
 
@@ -79,3 +83,31 @@ def test_concurrent_uploads_of_one_blob_through_both_replicas_store_one_object(r
         assert session.scalar(select(func.count()).select_from(Blob).where(Blob.digest == digest)) == 1
         assert session.scalar(select(func.count()).select_from(RepoBlob).where(RepoBlob.digest == digest)) == 1
     assert first.context.storage.size(digest) == len(data)
+
+
+def test_concurrent_publishes_of_one_key_through_both_replicas_give_one_record(replicas, pt2_archive):
+    first, second = replicas
+    name = unique_repo()
+    token = first.mint("minter", f"acme/{name}:read,write")
+    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)})
+    with second.client(token) as client:
+        upload_all(client, "acme", name, pub)
+    barrier = threading.Barrier(6)
+    answers = []
+
+    def put(replica) -> None:
+        with replica.client(token) as client:
+            barrier.wait()
+            answers.append(client.put(pub.path("acme", name), json=pub.manifest).status_code)
+
+    threads = [threading.Thread(target=put, args=(replica,)) for replica in (first, second) * 3]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(answers) == [200] * 5 + [201]  # one created, five idempotent "exists"
+    with first.context.db.session() as session:
+        keys = session.scalars(
+            select(CompiledGraph.key).join(Repo, Repo.id == CompiledGraph.repo_id).where(Repo.name == name)
+        ).all()
+    assert keys == [pub.key]

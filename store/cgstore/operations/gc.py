@@ -4,7 +4,8 @@ A blob is kept while any of these holds:
 - it was linked within the grace period (``blobs.linked_at``: every repo link,
   session commit and publish writes it in its own transaction);
 - a repo link younger than the grace period names it;
-- a reference from another feature names it (``KEEPERS``: records add theirs).
+- a live record, or one yanked within the grace period, names it as its
+  artifact or a component (records yanked longer ago go with their blobs).
 
 A blob nothing keeps goes in three steps, each idempotent, so a run that dies
 anywhere is finished by the next one:
@@ -35,6 +36,7 @@ from sqlalchemy.orm import Session
 
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.models import Blob, RepoBlob
+from cgstore.compiled_graphs import service as records_service
 from cgstore.context import StoreContext
 from cgstore.core.db import utcnow
 from cgstore.core.faults import crash_point
@@ -52,7 +54,7 @@ def _young_repo_link(cutoff: dt.datetime) -> ColumnElement[bool]:
     return exists().where(RepoBlob.digest == Blob.digest, RepoBlob.created_at >= cutoff)
 
 
-KEEPERS: list[Keeper] = [_young_repo_link]
+KEEPERS: list[Keeper] = [_young_repo_link, records_service.blob_kept_by_records]
 
 
 @dataclass
@@ -123,6 +125,7 @@ def reclaim(ctx: StoreContext, digests: list[str]) -> None:
         return
     ctx.storage.delete_many(digests)
     with ctx.db.session() as session:
+        records_service.forget_yanked_records(session, digests)
         session.execute(delete(RepoBlob).where(RepoBlob.digest.in_(digests)))
         session.execute(
             delete(Blob)
