@@ -1,0 +1,296 @@
+"""``Client``: the worker's and the mint child's face of the store.
+
+Configuration comes from the arguments or the environment: ``CGSTORE_URL``,
+``CGSTORE_TOKEN`` (or ``CGSTORE_TOKEN_FILE``), ``CGSTORE_CACHE_DIR`` (default
+``~/.cache/cgstore``) and ``CGSTORE_OFFLINE``. In offline mode no socket is ever
+opened: the transport is created on first network use, and offline it never is.
+
+Blob primitives live here: :meth:`Client.fetch_blob` (verified download into the
+cache, through which every other download goes) and :meth:`Client.push_blobs`
+(batch missing check, then monolithic or resumable chunked uploads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import blake3
+
+from cgstore_client.cache import Cache, hash_file
+from cgstore_client.errors import CgstoreError, IntegrityError, NotFound, Offline, Refused, Unavailable
+from cgstore_client.http import Retry, Stream, Transport, file_chunks, open_stream
+from cgstore_client.keys import validate_digest
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+READ_BYTES = 1 << 20
+#: Blobs at least this large go through a resumable upload session rather than one PUT.
+CHUNKED_THRESHOLD = 64 << 20
+CHUNK_BYTES = 32 << 20
+#: Bound on blobs moving at once (uploads in a publish, downloads in a load).
+PARALLEL_TRANSFERS = 4
+MAX_MISSING_BATCH = 1024
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+Progress = Callable[[int], None]
+
+
+class ConfigError(CgstoreError, ValueError):
+    """The client's configuration is unusable (e.g. an unreadable token file)."""
+
+
+def split_repo(repo: str) -> tuple[str, str]:
+    owner, sep, name = repo.partition("/")
+    if not sep or not owner or not name or "/" in name:
+        raise ConfigError(f"a repo is 'owner/name', not {repo!r}")
+    return owner, name
+
+
+def _token_from_env() -> str | None:
+    if token := os.environ.get("CGSTORE_TOKEN"):
+        return token.strip()
+    if path := os.environ.get("CGSTORE_TOKEN_FILE"):
+        try:
+            return Path(path).read_text().strip()
+        except OSError as err:
+            raise ConfigError(f"CGSTORE_TOKEN_FILE {path!r} is unreadable: {err}") from err
+    return None
+
+
+class Client:
+    """The store, from a worker's or a mint child's side. Use as a context manager or call :meth:`close`."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        offline: bool | None = None,
+        retry: Retry | None = None,
+    ) -> None:
+        self.url = (url or os.environ.get("CGSTORE_URL") or DEFAULT_URL).rstrip("/")
+        self.token = token if token is not None else _token_from_env()
+        self.offline = offline if offline is not None else os.environ.get("CGSTORE_OFFLINE", "").lower() in _TRUE
+        self.cache = Cache(cache_dir)
+        self.cache.ensure()
+        self.retry = retry or Retry()
+        self._transport: Transport | None = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    @property
+    def transport(self) -> Transport:
+        """The API transport, created on first use; never in offline mode."""
+        if self.offline:
+            raise Offline("offline mode: the store is not contacted")
+        if self._transport is None:
+            self._transport = Transport(self.url, self.token, retry=self.retry)
+        return self._transport
+
+    # --- download ----------------------------------------------------------------------
+
+    def fetch_blob(self, repo: str, digest: str, size: int | None = None, *, progress: Progress | None = None) -> Path:
+        """The verified local path of ``repo``'s blob ``digest``, downloading it if the cache lacks it."""
+        owner, name = split_repo(repo)
+        validate_digest(digest)
+        if cached := self.cache.verified(digest, size):
+            return cached
+        if self.offline:
+            raise Offline(f"offline mode and {digest} is not in the cache")
+        with self.cache.lock(digest):
+            # Another process may have finished it while we waited for the lock.
+            if cached := self.cache.verified(digest, size):
+                return cached
+            self.cache.sweep_temps()
+            if size is not None:
+                self.cache.require_space(size)
+            url = f"{self.url}/v1/repos/{owner}/{name}/blobs/{digest}"
+            return self._download(url, digest, size, progress)
+
+    def _download(self, url: str, digest: str, size: int | None, progress: Progress | None) -> Path:
+        temp = self.cache.temp_file(digest)
+        try:
+            with open(temp, "wb") as out:
+                actual, got = _Download(url, self.token, size, out, self.retry, progress, self.cache).run()
+                out.flush()
+                os.fsync(out.fileno())
+            if actual != digest or (size is not None and got != size):
+                raise IntegrityError(f"downloaded {got} bytes hashing to {actual}, expected {digest} ({size} bytes)")
+            return self.cache.commit(temp, digest)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+
+    # --- upload ------------------------------------------------------------------------
+
+    def missing(self, repo: str, digests: Iterable[str]) -> list[str]:
+        """The digests ``repo`` does not hold yet (one call per 1024)."""
+        owner, name = split_repo(repo)
+        wanted = list(dict.fromkeys(digests))
+        missing: list[str] = []
+        for i in range(0, len(wanted), MAX_MISSING_BATCH):
+            batch = wanted[i : i + MAX_MISSING_BATCH]
+            answer = self.transport.request("POST", f"/v1/repos/{owner}/{name}/blobs:missing", json={"digests": batch})
+            missing += answer.json()["missing"]
+        return missing
+
+    def push_blobs(self, repo: str, paths: Iterable[str | os.PathLike[str]]) -> dict[str, tuple[str, int]]:
+        """Upload the files ``repo`` lacks (batch check first, bounded parallel); returns path → (digest, size)."""
+        hashed = {str(p): hash_file(p) for p in paths}
+        lacking = set(self.missing(repo, [d for d, _ in hashed.values()]))
+        todo = {d: (p, s) for p, (d, s) in hashed.items() if d in lacking}
+        with ThreadPoolExecutor(PARALLEL_TRANSFERS) as pool:
+            for future in [pool.submit(self.upload_blob, repo, p, digest=d, size=s) for d, (p, s) in todo.items()]:
+                future.result()
+        return hashed
+
+    def upload_blob(self, repo: str, path: str | os.PathLike[str], *, digest: str | None = None, size: int | None = None) -> str:
+        """Upload one file as a blob of ``repo``; resumable above ``CHUNKED_THRESHOLD``. Returns its digest."""
+        owner, name = split_repo(repo)
+        if digest is None or size is None:
+            digest, size = hash_file(path)
+        path = str(path)
+        if size < CHUNKED_THRESHOLD:
+            self.transport.request(
+                "PUT",
+                f"/v1/repos/{owner}/{name}/blobs/{digest}",
+                headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+                body=lambda: file_chunks(path, 0, size),
+            )
+        else:
+            self._upload_session(owner, name, path, digest, size)
+        return digest
+
+    def _upload_session(self, owner: str, name: str, path: str, digest: str, size: int) -> None:
+        opened = self.transport.request("POST", f"/v1/repos/{owner}/{name}/uploads")
+        location = opened.headers["Location"]
+        offset, failures = 0, 0
+        while offset < size:
+            end = min(offset + CHUNK_BYTES, size)
+            try:
+                offset = self._send_chunk(location, path, offset, end)
+                failures = 0
+            except Unavailable as err:
+                failures += 1
+                if failures >= self.retry.attempts:
+                    raise
+                time.sleep(self.retry.delay(failures, err.retry_after_s))
+                offset = self._session_offset(location)  # what the store kept of the lost chunk
+            except Refused as err:
+                if err.code != "RANGE_INVALID":
+                    raise
+                offset = self._session_offset(location)
+        self._commit_session(owner, name, location, digest)
+
+    def _send_chunk(self, location: str, path: str, start: int, end: int) -> int:
+        answer = self.transport.request(
+            "PATCH",
+            location,
+            headers={"Content-Range": f"{start}-{end - 1}", "Content-Length": str(end - start),
+                     "Content-Type": "application/octet-stream"},
+            body=lambda: file_chunks(path, start, end),
+            retry=False,  # a lost chunk is resumed from the store's offset, not re-sent blindly
+        )
+        return int(answer.headers["Upload-Offset"])
+
+    def _session_offset(self, location: str) -> int:
+        return int(self.transport.request("GET", location).headers["Upload-Offset"])
+
+    def _commit_session(self, owner: str, name: str, location: str, digest: str) -> None:
+        try:
+            self.transport.request("PUT", location, params={"digest": digest}, headers={"Content-Length": "0"})
+        except NotFound:
+            # A commit whose answer was lost consumed the session; the blob is there if it landed.
+            if not self.has_blob(f"{owner}/{name}", digest):
+                raise
+
+    def has_blob(self, repo: str, digest: str) -> bool:
+        owner, name = split_repo(repo)
+        try:
+            self.transport.request("HEAD", f"/v1/repos/{owner}/{name}/blobs/{digest}")
+        except NotFound:
+            return False
+        return True
+
+    # --- mint side -----------------------------------------------------------------------
+
+    def preflight(self, repo: str, min_ttl_s: int = 300) -> None:
+        """Raise (``Unauthorized``/``Denied``) unless this token could publish to ``repo`` now and for ``min_ttl_s``."""
+        owner, name = split_repo(repo)
+        self.transport.request("POST", f"/v1/repos/{owner}/{name}/preflight", params={"min_ttl_s": min_ttl_s})
+
+
+class _Download:
+    """One verified download: resumes with ``Range`` after a dropped connection, restarts on a 200."""
+
+    def __init__(self, url, token, size, out, retry: Retry, progress: Progress | None, cache: Cache) -> None:
+        self.url, self.token, self.size, self.out = url, token, size, out
+        self.retry, self.progress, self.cache = retry, progress, cache
+        self.hasher = blake3.blake3()
+        self.have = 0
+        self.buffer = memoryview(bytearray(READ_BYTES))
+
+    def run(self) -> tuple[str, int]:
+        failures = 0
+        while True:
+            before = self.have
+            try:
+                self._attempt()
+                return "blake3:" + self.hasher.hexdigest(), self.have
+            except Unavailable as err:
+                # Attempts count only failures without progress: a flaky link that keeps
+                # delivering bytes is followed to the end, a dead one is given up on.
+                failures = 1 if self.have > before else failures + 1
+                if failures >= self.retry.attempts:
+                    raise
+                time.sleep(self.retry.delay(failures, err.retry_after_s))
+
+    def _attempt(self) -> None:
+        stream = open_stream(self.url, self.token, start=self.have)
+        try:
+            self._check_span(stream)
+            self._copy(stream)
+            stream.finish()
+        finally:
+            stream.close()
+
+    def _check_span(self, stream: Stream) -> None:
+        if stream.start != self.have:
+            if stream.start != 0:
+                raise Refused(f"asked for bytes from {self.have}, got a range from {stream.start}")
+            self._restart()  # a 200 to a ranged request: the whole body again, from scratch
+        if stream.total is not None:
+            if self.size is not None and stream.total != self.size:
+                raise IntegrityError(f"the store serves {stream.total} bytes, expected {self.size}")
+            if self.have == 0:
+                self.cache.require_space(stream.total)
+
+    def _restart(self) -> None:
+        self.out.seek(0)
+        self.out.truncate()
+        self.hasher = blake3.blake3()
+        self.have = 0
+
+    def _copy(self, stream: Stream) -> None:
+        while n := stream.readinto(self.buffer):
+            chunk = self.buffer[:n]
+            self.hasher.update(chunk)
+            self.out.write(chunk)
+            self.have += n
+            if self.size is not None and self.have > self.size:
+                raise IntegrityError(f"more than the expected {self.size} bytes")
+            if self.progress is not None:
+                self.progress(n)
