@@ -184,13 +184,20 @@ class Cache:
     # --- records -----------------------------------------------------------------------
 
     def write_record(self, key: str, record: dict) -> Path:
-        path = self.record_path(key)
-        self._atomic_write(path, json.dumps(record, sort_keys=True).encode())
-        return path
+        return self.write_json(self.record_path(key), record)
 
     def read_record(self, key: str) -> dict | None:
+        return self.read_json(self.record_path(key))
+
+    def write_json(self, path: Path, document: object) -> Path:
+        self._atomic_write(path, json.dumps(document, sort_keys=True).encode())
+        return path
+
+    @staticmethod
+    def read_json(path: Path) -> dict | None:
         with contextlib.suppress(OSError, ValueError):
-            return json.loads(self.record_path(key).read_bytes())
+            document = json.loads(path.read_bytes())
+            return document if isinstance(document, dict) else None
         return None
 
     def _atomic_write(self, path: Path, data: bytes) -> None:

@@ -7,7 +7,10 @@ opened: the transport is created on first network use, and offline it never is.
 
 Blob primitives live here: :meth:`Client.fetch_blob` (verified download into the
 cache, through which every other download goes) and :meth:`Client.push_blobs`
-(batch missing check, then monolithic or resumable chunked uploads).
+(batch missing check, then monolithic or resumable chunked uploads). On top of
+them: :meth:`Client.load` (a worker's boot: one resolve, verified downloads,
+``Loaded`` or ``Eager`` per want) and :meth:`Client.publish` (a mint child's
+idempotent publish of an archive and its components).
 """
 
 from __future__ import annotations
@@ -15,16 +18,31 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 
+from cgstore_client import boot
+from cgstore_client.archive import inspect
+from cgstore_client.boot import Eager, Loaded, Want
 from cgstore_client.cache import Cache, hash_file
-from cgstore_client.errors import CgstoreError, IntegrityError, NotFound, Offline, Refused, Unavailable
+from cgstore_client.errors import (
+    CgstoreError,
+    CompiledRequired,
+    IntegrityError,
+    NotFound,
+    Offline,
+    Refused,
+    Unavailable,
+)
 from cgstore_client.http import Retry, Stream, Transport, file_chunks, open_stream
-from cgstore_client.keys import validate_digest
+from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
+from cgstore_client.lanes import resolve_lane
+from cgstore_client.receipts import ReceiptInvalid, ReceiptVerifier, verify_jws_receipt
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 READ_BYTES = 1 << 20
@@ -34,6 +52,8 @@ CHUNK_BYTES = 32 << 20
 #: Bound on blobs moving at once (uploads in a publish, downloads in a load).
 PARALLEL_TRANSFERS = 4
 MAX_MISSING_BATCH = 1024
+#: The component name under which ``publish`` uploads the mint's derived constants.
+DERIVED_COMPONENT = "derived-constants"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
 Progress = Callable[[int], None]
@@ -72,6 +92,7 @@ class Client:
         cache_dir: str | os.PathLike[str] | None = None,
         offline: bool | None = None,
         retry: Retry | None = None,
+        receipt_verifier: ReceiptVerifier = verify_jws_receipt,
     ) -> None:
         self.url = (url or os.environ.get("CGSTORE_URL") or DEFAULT_URL).rstrip("/")
         self.token = token if token is not None else _token_from_env()
@@ -79,7 +100,9 @@ class Client:
         self.cache = Cache(cache_dir)
         self.cache.ensure()
         self.retry = retry or Retry()
+        self.receipt_verifier = receipt_verifier
         self._transport: Transport | None = None
+        self._jwks: dict | None = None
 
     def __enter__(self) -> Client:
         return self
@@ -231,6 +254,210 @@ class Client:
         """Raise (``Unauthorized``/``Denied``) unless this token could publish to ``repo`` now and for ``min_ttl_s``."""
         owner, name = split_repo(repo)
         self.transport.request("POST", f"/v1/repos/{owner}/{name}/preflight", params={"min_ttl_s": min_ttl_s})
+
+
+    # --- boot --------------------------------------------------------------------------
+
+    def resolve(self, family: str, keys: list[str]) -> list[dict[str, Any]]:
+        """The store's answer for each key, in order: a hit entry, or ``{"key", "status": "miss"}``."""
+        body = self.transport.request("POST", "/v1/compiled-graphs:resolve", json={"family": family, "keys": keys})
+        answers = [_entry(answer) for answer in _answers(body.json())]
+        if [a["key"] for a in answers] != list(keys):
+            raise Refused("the resolve answer does not answer the keys asked, in order")
+        return answers
+
+    def load(
+        self, family: str, wants: Iterable[Want | str], *, device_total_bytes: int | None = None
+    ) -> list[Loaded | Eager]:
+        """Boot: one resolve, verified parallel downloads; ``Loaded`` or ``Eager`` per want, in order.
+
+        Raises :class:`CompiledRequired` (before any GPU work) when a mandatory want
+        cannot be served compiled. Offline, answers from the cache alone.
+        """
+        wants = [w if isinstance(w, Want) else Want(w) for w in wants]
+        entries = self._entries(family, [w.key for w in wants])
+        trusted = {key: self._trusted(entry) for key, entry in entries.items()}
+        paths = self._fetch_all([e for e in trusted.values() if isinstance(e, dict)])
+        results = [self._serve(trusted[w.key], paths, device_total_bytes, w.key) for w in wants]
+        refused = {w.key: r.reason for w, r in zip(wants, results) if w.mandatory and isinstance(r, Eager)}
+        if refused:
+            raise CompiledRequired(refused)
+        return results
+
+    def _entries(self, family: str, keys: list[str]) -> dict[str, dict[str, Any] | str]:
+        """key -> hit entry, or why there is none. Offline (or with the store down) from the cache."""
+        if self.offline:
+            return {k: self.cache.read_record(k) or f"{boot.OFFLINE_NOT_CACHED}: offline mode, no socket opened"
+                    for k in keys}
+        try:
+            answers = self.resolve(family, keys)
+        except Unavailable as err:
+            return {k: self.cache.read_record(k) or f"{boot.UNAVAILABLE}: {err}" for k in keys}
+        return {a["key"]: a if a.get("status") == "hit" else boot.MISS for a in answers}
+
+    def _trusted(self, entry: dict[str, Any] | str) -> dict[str, Any] | str:
+        """The entry if its receipt verifies (or it carries none), else why it is not trusted."""
+        if isinstance(entry, str):
+            return entry
+        receipt = entry.get("receipt")
+        if receipt is None:
+            return entry  # records the store does not sign yet: integrity still rests on the digests
+        try:
+            self.receipt_verifier(entry, receipt, self.keys())
+        except ReceiptInvalid as err:
+            return f"{boot.RECEIPT_INVALID}: {err}"
+        return entry
+
+    def keys(self) -> dict[str, Any]:
+        """The store's public keys (JWKS), fetched once and kept in the cache for offline verification."""
+        if self._jwks is None:
+            cached = self.cache.root / "keys.json"
+            if self.offline:
+                self._jwks = self.cache.read_json(cached) or {"keys": []}
+            else:
+                self._jwks = self.transport.request("GET", "/v1/keys").json()
+                self.cache.write_json(cached, self._jwks)
+        return self._jwks
+
+    def _fetch_all(self, entries: list[dict[str, Any]]) -> dict[str, Path | CgstoreError]:
+        """Every blob of every entry, verified, in parallel (bounded); digest -> path or the error."""
+        blobs = {b["digest"]: (e["repo"], b.get("size")) for e in entries for b in [e["artifact"], *e["components"]]}
+
+        def fetch(digest: str) -> Path | CgstoreError:
+            repo, size = blobs[digest]
+            try:
+                return self.fetch_blob(repo, digest, size)
+            except (IntegrityError, Offline, NotFound, Unavailable) as err:
+                return err
+
+        with ThreadPoolExecutor(PARALLEL_TRANSFERS) as pool:
+            return dict(zip(blobs, pool.map(fetch, blobs)))
+
+    def _serve(self, entry, paths: dict[str, Path | CgstoreError], device_total_bytes: int | None, key: str):
+        if isinstance(entry, str):
+            return Eager(key, entry)
+        artifact = paths[entry["artifact"]["digest"]]
+        components = {c["name"]: paths[c["digest"]] for c in entry["components"]}
+        failed = [p for p in (artifact, *components.values()) if isinstance(p, CgstoreError)]
+        if failed:
+            reason = boot.OFFLINE_NOT_CACHED if isinstance(failed[0], Offline) else boot.INTEGRITY
+            return Eager(key, f"{reason}: {failed[0]}")
+        self.cache.write_record(key, entry)
+        lane = None
+        if device_total_bytes is not None:
+            lane = resolve_lane(inspect(artifact).metadata, device_total_bytes)
+        return Loaded(
+            key=key,
+            artifact_path=artifact,
+            component_paths=components,
+            record=entry["record"],
+            repo=entry["repo"],
+            lane=lane.lane if lane else None,
+            lane_reason=lane.reason if lane else None,
+            receipt=entry.get("receipt"),
+        )
+
+    # --- publish -----------------------------------------------------------------------
+
+    def publish(
+        self,
+        repo: str,
+        archive_path: str | os.PathLike[str],
+        *,
+        family: str,
+        envelope: Envelope | Mapping[str, object],
+        toolchain: Toolchain | Mapping[str, str],
+        sm: str,
+        lane: str | None = None,
+        components: Mapping[str, str | os.PathLike[str]] | None = None,
+        layout: Mapping[str, Any] | None = None,
+        evidence: Mapping[str, Any] | None = None,
+    ) -> Published:
+        """Publish an archive (and its components) under its derived key; safe to call again after any failure.
+
+        The archive is read locally with the store's own reader; only blobs the
+        repo lacks are uploaded. ``components=None`` publishes the mint's derived
+        constants (``model.constants.safetensors`` beside the archive) when present.
+        A key already holding other bytes raises :class:`Conflict` naming both digests.
+        """
+        owner, name = split_repo(repo)
+        report = inspect(archive_path)
+        envelope = envelope if isinstance(envelope, Envelope) else Envelope.from_dict(envelope)
+        toolchain = toolchain if isinstance(toolchain, Toolchain) else Toolchain(toolchain)
+        key = ck1(report.graph_digest, envelope, sm, toolchain)
+        named = _components(archive_path, components)
+        hashed = self.push_blobs(repo, [archive_path, *named.values()])
+        manifest = _manifest(report, family, envelope, toolchain, sm, lane, layout, evidence)
+        digest, size = hashed[str(archive_path)]
+        manifest["artifact"] = {"digest": digest, "size": size}
+        manifest["components"] = [
+            {"name": n, "digest": hashed[str(p)][0], "size": hashed[str(p)][1]} for n, p in sorted(named.items())
+        ]
+        answer = self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}", json=manifest)
+        body = answer.json() if answer.content else {}
+        return Published(key, "created" if answer.status_code == 201 else "exists", body.get("receipt"))
+
+
+@dataclass(frozen=True)
+class Published:
+    """A publish's outcome: the key, ``created`` or ``exists`` (an idempotent re-publish), the store's receipt."""
+
+    key: str
+    status: str
+    receipt: object = None
+
+
+def _components(archive_path, components) -> dict[str, str]:
+    if components is not None:
+        return {name: str(path) for name, path in components.items()}
+    from cgstore_client.mint import derived_constants_path  # torch-free: the mint imports torch lazily
+
+    derived = derived_constants_path(archive_path)
+    return {DERIVED_COMPONENT: derived} if os.path.exists(derived) else {}
+
+
+def _manifest(report, family, envelope: Envelope, toolchain: Toolchain, sm, lane, layout, evidence) -> dict[str, Any]:
+    manifest: dict[str, Any] = {
+        "kind": report.kind,
+        "format": report.format,
+        "family": family,
+        "axes": {
+            "graph": report.graph_digest,
+            "envelope": envelope.document(),
+            "sm": sm,
+            "toolchain": {"components": dict(toolchain.components), "recorded": dict(toolchain.recorded)},
+        },
+    }
+    for field_name, value in (("lane", lane), ("layout", layout), ("evidence", evidence)):
+        if value is not None:
+            manifest[field_name] = value if isinstance(value, str) else dict(value)
+    return manifest
+
+
+def _answers(body: Any) -> list[dict[str, Any]]:
+    """The per-key answers of a resolve body."""
+    if isinstance(body, dict):
+        body = body.get("results", body.get("answers"))
+    if not isinstance(body, list):
+        raise Refused("unreadable resolve answer")
+    return body
+
+
+def _entry(answer: dict[str, Any]) -> dict[str, Any]:
+    """A resolve answer as the cache keeps it: key, repo, record, artifact, components, receipt."""
+    if answer.get("status") != "hit":
+        return {"key": answer["key"], "status": "miss"}
+    record = answer.get("record") or {}
+    return {
+        "key": answer["key"],
+        "status": "hit",
+        "repo": answer["repo"],
+        "record": record,
+        "artifact": {k: v for k, v in (answer.get("artifact") or record["artifact"]).items() if k != "url"},
+        "components": [{k: v for k, v in c.items() if k != "url"}
+                       for c in (answer.get("components") or record.get("components") or [])],
+        "receipt": answer.get("receipt", record.get("receipt")),
+    }
 
 
 class _Download:
