@@ -423,7 +423,7 @@ def _manifest(report, family, envelope: Envelope, toolchain: Toolchain, sm, lane
         "family": family,
         "axes": {
             "graph": report.graph_digest,
-            "envelope": envelope.document(),
+            "envelope": envelope.document,
             "sm": sm,
             "toolchain": {"components": dict(toolchain.components), "recorded": dict(toolchain.recorded)},
         },
