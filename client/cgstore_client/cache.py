@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -121,14 +122,20 @@ class Cache:
         if size is not None and current.size != size:
             self._evict(digest)
             return None
-        if self._read_stamp(digest) == current:
-            return path
+        if self._read_stamp(digest) != current and not self.rehash(digest):
+            return None
+        _mark_used(path, current)
+        return path
+
+    def rehash(self, digest: str) -> bool:
+        """Hash the cached blob again: stamp it if it matches, remove it if not."""
+        path = self.blob_path(digest)
         actual, _ = hash_file(path)
         if actual != digest:
             self._evict(digest)
-            return None
-        self._write_stamp(current)
-        return path
+            return False
+        self._write_stamp(Stamp.of(path, digest))
+        return True
 
     def _read_stamp(self, digest: str) -> Stamp | None:
         with contextlib.suppress(OSError, ValueError, TypeError):
@@ -220,8 +227,24 @@ class Cache:
             for path in sorted(algo_dir.iterdir()):
                 yield f"{algo_dir.name}:{path.name}", path
 
-    def remove_blob(self, digest: str) -> None:
-        self._evict(digest)
+    def prune(self, unused_since: float) -> list[str]:
+        """Remove blobs last used before ``unused_since`` (epoch seconds) and the records that need them."""
+        removed = [digest for digest, path in list(self.blobs()) if path.stat().st_atime < unused_since]
+        for digest in removed:
+            self._evict(digest)
+        gone = set(removed)
+        for record in (self.root / "records").glob("*.json"):
+            entry = self.read_json(record) or {}
+            needed = {b.get("digest") for b in [entry.get("artifact") or {}, *(entry.get("components") or [])]}
+            if needed & gone:
+                record.unlink(missing_ok=True)
+        return removed
+
+
+def _mark_used(path: Path, stamp: Stamp) -> None:
+    """Record a use in the access time (``cache prune`` reads it); the mtime, part of the stamp, stays."""
+    with contextlib.suppress(OSError):
+        os.utime(path, ns=(time.time_ns(), stamp.mtime_ns))
 
 
 def _alive(pid: int) -> bool:
