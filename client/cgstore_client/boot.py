@@ -68,8 +68,12 @@ class Loaded:
         return list(self.record.get("binding_table") or [])
 
     @property
+    def manifest(self) -> Mapping[str, Any]:
+        return self.record.get("manifest") or {}
+
+    @property
     def envelope(self) -> Envelope:
-        return Envelope.from_document(self.record["axes"]["envelope"])
+        return Envelope.from_document(self.manifest["axes"]["envelope"])
 
     def admits(self, *, inputs: Mapping[str, object] | None = None, **request: object) -> Verdict:
         """Is this request inside the envelope and the contract's dim ranges?

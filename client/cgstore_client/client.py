@@ -41,7 +41,7 @@ from cgstore_client.errors import (
 )
 from cgstore_client.http import Retry, Stream, Transport, file_chunks, open_stream
 from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
-from cgstore_client.lanes import resolve_lane
+from cgstore_client.lanes import DEFAULT_LANE, resolve_lane
 from cgstore_client.receipts import ReceiptInvalid, ReceiptVerifier, verify_jws_receipt
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -277,8 +277,8 @@ class Client:
         wants = [w if isinstance(w, Want) else Want(w) for w in wants]
         entries = self._entries(family, [w.key for w in wants])
         trusted = {key: self._trusted(entry) for key, entry in entries.items()}
-        paths = self._fetch_all([e for e in trusted.values() if isinstance(e, dict)])
-        results = [self._serve(trusted[w.key], paths, device_total_bytes, w.key) for w in wants]
+        fetched = self._fetch_all([e for e in trusted.values() if isinstance(e, dict)])
+        results = [self._serve(w.key, trusted[w.key], fetched, device_total_bytes) for w in wants]
         refused = {w.key: r.reason for w, r in zip(wants, results) if w.mandatory and isinstance(r, Eager)}
         if refused:
             raise CompiledRequired(refused)
@@ -319,38 +319,45 @@ class Client:
                 self.cache.write_json(cached, self._jwks)
         return self._jwks
 
-    def _fetch_all(self, entries: list[dict[str, Any]]) -> dict[str, Path | CgstoreError]:
-        """Every blob of every entry, verified, in parallel (bounded); digest -> path or the error."""
-        blobs = {b["digest"]: (e["repo"], b.get("size")) for e in entries for b in [e["artifact"], *e["components"]]}
+    def _fetch_all(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """Every blob (digest -> path) and every full record not cached yet (key -> record), in parallel.
 
-        def fetch(digest: str) -> Path | CgstoreError:
-            repo, size = blobs[digest]
+        A failed task maps to its error. The pool is bounded; blobs shared by
+        several entries are fetched once.
+        """
+        tasks: dict[str, Callable[[], Any]] = {}
+        for entry in entries:
+            for blob in [entry["artifact"], *entry["components"]]:
+                tasks[blob["digest"]] = lambda e=entry, b=blob: self.fetch_blob(e["repo"], b["digest"], b.get("size"))
+            if "record" not in entry:
+                tasks[entry["key"]] = lambda e=entry: self.transport.request("GET", e["facts"]["href"]).json()
+
+        def run(name: str) -> Any:
             try:
-                return self.fetch_blob(repo, digest, size)
+                return tasks[name]()
             except (IntegrityError, Offline, NotFound, Unavailable) as err:
                 return err
 
         with ThreadPoolExecutor(PARALLEL_TRANSFERS) as pool:
-            return dict(zip(blobs, pool.map(fetch, blobs)))
+            return dict(zip(tasks, pool.map(run, tasks)))
 
-    def _serve(self, entry, paths: dict[str, Path | CgstoreError], device_total_bytes: int | None, key: str):
+    def _serve(self, key: str, entry, fetched: dict[str, Any], device_total_bytes: int | None) -> Loaded | Eager:
         if isinstance(entry, str):
             return Eager(key, entry)
-        artifact = paths[entry["artifact"]["digest"]]
-        components = {c["name"]: paths[c["digest"]] for c in entry["components"]}
-        failed = [p for p in (artifact, *components.values()) if isinstance(p, CgstoreError)]
+        record = entry.get("record", fetched.get(key))
+        artifact = fetched[entry["artifact"]["digest"]]
+        components = {c["name"]: fetched[c["digest"]] for c in entry["components"]}
+        failed = [p for p in (record, artifact, *components.values()) if isinstance(p, CgstoreError)]
         if failed:
-            reason = boot.OFFLINE_NOT_CACHED if isinstance(failed[0], Offline) else boot.INTEGRITY
-            return Eager(key, f"{reason}: {failed[0]}")
+            return Eager(key, _eager_reason(failed[0]))
+        entry = {**entry, "record": record}
         self.cache.write_record(key, entry)
-        lane = None
-        if device_total_bytes is not None:
-            lane = resolve_lane(inspect(artifact).metadata, device_total_bytes)
+        lane = resolve_lane(inspect(artifact).metadata, device_total_bytes) if device_total_bytes is not None else None
         return Loaded(
             key=key,
             artifact_path=artifact,
             component_paths=components,
-            record=entry["record"],
+            record=record,
             repo=entry["repo"],
             lane=lane.lane if lane else None,
             lane_reason=lane.reason if lane else None,
@@ -387,15 +394,15 @@ class Client:
         key = ck1(report.graph_digest, envelope, sm, toolchain)
         named = _components(archive_path, components)
         hashed = self.push_blobs(repo, [archive_path, *named.values()])
+        lane = lane or (report.metadata.kernel_lane.winner if report.metadata.kernel_lane else DEFAULT_LANE)
         manifest = _manifest(report, family, envelope, toolchain, sm, lane, layout, evidence)
         digest, size = hashed[str(archive_path)]
         manifest["artifact"] = {"digest": digest, "size": size}
         manifest["components"] = [
             {"name": n, "digest": hashed[str(p)][0], "size": hashed[str(p)][1]} for n, p in sorted(named.items())
         ]
-        answer = self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}", json=manifest)
-        body = answer.json() if answer.content else {}
-        return Published(key, "created" if answer.status_code == 201 else "exists", body.get("receipt"))
+        answer = self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}", json=manifest).json()
+        return Published(answer["key"], answer["status"], answer.get("receipt"))
 
 
 @dataclass(frozen=True)
@@ -421,6 +428,7 @@ def _manifest(report, family, envelope: Envelope, toolchain: Toolchain, sm, lane
         "kind": report.kind,
         "format": report.format,
         "family": family,
+        "lane": lane,
         "axes": {
             "graph": report.graph_digest,
             "envelope": envelope.document,
@@ -428,36 +436,49 @@ def _manifest(report, family, envelope: Envelope, toolchain: Toolchain, sm, lane
             "toolchain": {"components": dict(toolchain.components), "recorded": dict(toolchain.recorded)},
         },
     }
-    for field_name, value in (("lane", lane), ("layout", layout), ("evidence", evidence)):
+    for field_name, value in (("layout", layout), ("evidence", evidence)):
         if value is not None:
-            manifest[field_name] = value if isinstance(value, str) else dict(value)
+            manifest[field_name] = dict(value)
     return manifest
 
 
+def _eager_reason(error: CgstoreError) -> str:
+    if isinstance(error, Offline):
+        return f"{boot.OFFLINE_NOT_CACHED}: {error}"
+    if isinstance(error, IntegrityError):
+        return f"{boot.INTEGRITY}: {error}"
+    if isinstance(error, NotFound):
+        return f"{boot.MISS}: {error}"  # yanked or gone between the resolve and the download
+    return f"{boot.UNAVAILABLE}: {error}"
+
+
 def _answers(body: Any) -> list[dict[str, Any]]:
-    """The per-key answers of a resolve body."""
-    if isinstance(body, dict):
-        body = body.get("results", body.get("answers"))
-    if not isinstance(body, list):
+    """The per-key answers of a resolve body (``wire.records.ResolveAnswer``)."""
+    answers = body.get("answers") if isinstance(body, dict) else None
+    if not isinstance(answers, list):
         raise Refused("unreadable resolve answer")
-    return body
+    return answers
 
 
 def _entry(answer: dict[str, Any]) -> dict[str, Any]:
-    """A resolve answer as the cache keeps it: key, repo, record, artifact, components, receipt."""
+    """A resolve answer as the cache keeps it: key, repo, the record's facts, blobs (without URLs), receipt.
+
+    The full record (manifest, input contract, binding table) is fetched beside
+    the blobs and added as ``record`` before the entry is cached.
+    """
     if answer.get("status") != "hit":
         return {"key": answer["key"], "status": "miss"}
-    record = answer.get("record") or {}
-    return {
+    entry = {
         "key": answer["key"],
         "status": "hit",
         "repo": answer["repo"],
-        "record": record,
-        "artifact": {k: v for k, v in (answer.get("artifact") or record["artifact"]).items() if k != "url"},
-        "components": [{k: v for k, v in c.items() if k != "url"}
-                       for c in (answer.get("components") or record.get("components") or [])],
-        "receipt": answer.get("receipt", record.get("receipt")),
+        "facts": answer["record"],
+        "artifact": {"digest": answer["artifact"]["digest"], "size": answer["artifact"]["size"]},
+        "components": [{"name": c["name"], "digest": c["digest"], "size": c["size"]} for c in answer["components"]],
     }
+    if answer.get("receipt") is not None:
+        entry["receipt"] = answer["receipt"]
+    return entry
 
 
 class _Download:

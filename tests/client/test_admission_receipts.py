@@ -18,7 +18,7 @@ ENVELOPE = Envelope(shapes=[(512, 512)], text_len=0, batch_sizes=[1, 2, 65])
 
 def test_a_batch_outside_the_declared_range_is_served_eager_naming_the_axis(pt2_report):
     assert pt2_report.input_contract["dims"] == {"s0": {"min": 1, "max": 64}}
-    record = {"axes": {"envelope": ENVELOPE.document}, "input_contract": pt2_report.input_contract}
+    record = {"manifest": {"axes": {"envelope": ENVELOPE.document}}, "input_contract": pt2_report.input_contract}
     loaded = Loaded(key="ck1-" + "0" * 56, artifact_path=Path("unused"), record=record)
     assert loaded.admits(shape=(512, 512), batch_size=2, inputs={"inputs_x": (2, 8), "inputs_y": (2, 4)})
     # The envelope allows 65 but the program was exported for [1, 64]; AOTI would run it anyway.
