@@ -131,16 +131,29 @@ def test_offline_serves_what_was_loaded_and_names_what_it_cannot(store, publishe
             offline.load(FAMILY, [Want(unknown, mandatory=True)])
 
 
-def test_a_flipped_stored_byte_is_refused_and_leaves_nothing(store, published, minted, tmp_path):
-    repo, token, key = published
+def _store_bytes(store, digest: str, data: bytes) -> None:
+    """Overwrite the stored bytes of ``digest`` behind the store's back (bit rot, a bad disk)."""
+    storage = store.context.storage
+    if isinstance(storage, FileStorage):
+        storage._blob_path(digest.removeprefix("blake3:")).write_bytes(data)
+    else:
+        storage.client.put_object(Bucket=storage.bucket, Key=storage.blob_key(digest), Body=data)
+
+
+@pytest.fixture
+def flipped(store, minted):
+    """Archive A's stored bytes with one bit flipped, restored afterwards (blobs are shared store-wide)."""
     digest = inspect_digest(minted)
     data = bytearray(minted.read_bytes())
     data[len(data) // 2] ^= 0x01
-    storage = store.context.storage
-    if isinstance(storage, FileStorage):
-        storage._blob_path(digest.removeprefix("blake3:")).write_bytes(bytes(data))
-    else:
-        storage.client.put_object(Bucket=storage.bucket, Key=storage.blob_key(digest), Body=bytes(data))
+    _store_bytes(store, digest, bytes(data))
+    yield digest
+    _store_bytes(store, digest, minted.read_bytes())
+
+
+def test_a_flipped_stored_byte_is_refused_and_leaves_nothing(store, published, flipped, tmp_path):
+    repo, token, key = published
+    digest = flipped
     with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
         (eager,) = client.load(FAMILY, [key])
         assert isinstance(eager, Eager) and eager.reason.startswith("artifact failed verification")
