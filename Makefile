@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: serve test bench install install-dev clean
+.PHONY: serve test conformance bench install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,12 @@ serve: install
 # The test session itself starts PostgreSQL if it is down, creates and drops its own
 # database, and runs moto_server on a free loopback port (tests/support/services.py).
 test: install-dev
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --junitxml=.test-results/junit.xml $(PYTEST_ARGS)
+
+# Certify a deployment: CGSTORE_URL=https://… CGSTORE_ADMIN_TOKEN=… make conformance
+# (without CGSTORE_URL it runs against the three local deployments, as `make test` does).
+conformance: install-dev
+	$(PY) -m pytest tests/conformance --junitxml=conformance.xml $(PYTEST_ARGS)
 
 bench: install-dev
 	@set -e; for script in bench/*.py; do \
@@ -41,4 +46,4 @@ bench: install-dev
 	  echo "== $$script"; $(PY) $$script; done
 
 clean:
-	rm -rf $(VENV) .cgstore .test-cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .cgstore .test-cache .test-results .pytest_cache .hypothesis conformance.xml

@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import anyio.to_thread
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
@@ -17,6 +18,7 @@ from cgstore.core.context import StoreContext
 from cgstore.core.db import Database
 from cgstore.core.http import install_error_handlers
 from cgstore.core.metrics import Metrics, MetricsMiddleware
+from cgstore.core.private import private_dir
 from cgstore.health.router import router as health_router
 from cgstore.settings import Settings
 from cgstore.storage import open_storage
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def build_context(settings: Settings) -> StoreContext:
+    private_dir(settings.home)
     db = Database(settings.resolved_database_url)
     ctx = StoreContext(
         settings=settings,
@@ -63,6 +66,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The pool every database and storage call runs in (per event loop).
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
         reaper = asyncio.create_task(_reap_forever(ctx))
         try:
             yield

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from typing import Annotated
 
 import typer
 
 from cgstore.core.errors import StoreError
+from cgstore.core.private import UMASK, private_dir
 from cgstore.settings import Settings
 
 app = typer.Typer(help="cgstore: the registry for PyTorch compiled graphs.", no_args_is_help=True)
@@ -18,6 +20,12 @@ uploads_app = typer.Typer(help="Resumable upload sessions.", no_args_is_help=Tru
 app.add_typer(db_app, name="db")
 app.add_typer(token_app, name="token")
 app.add_typer(uploads_app, name="uploads")
+
+@app.callback()
+def _private_by_default() -> None:
+    """Every command creates state private to the service user (files libraries create included)."""
+    os.umask(UMASK)
+
 
 _DURATION = re.compile(r"(\d+)([smhd]?)", re.ASCII)
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -40,9 +48,10 @@ def serve(
 
     from cgstore.app import create_app
     from cgstore.core import migrate as migrations
+    from cgstore.core.serving import server_options
 
     settings = Settings()
-    settings.home.mkdir(parents=True, exist_ok=True)
+    private_dir(settings.home)
     url = settings.resolved_database_url
     if migrate if migrate is not None else url.startswith("sqlite"):
         migrations.upgrade(url)
@@ -56,6 +65,7 @@ def serve(
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=10,
+        **server_options(settings),
     )
 
 

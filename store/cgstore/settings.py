@@ -52,6 +52,20 @@ class Settings(BaseSettings):
     reaper_interval_s: float = Field(60.0, gt=0, description="How often expired upload sessions are reclaimed.")
     s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="Multipart part size for S3 writes.")
     s3_max_concurrency: int = Field(4, ge=1, le=64, description="Parts uploaded in parallel per S3 write.")
+    body_idle_timeout_s: float = Field(
+        30.0, gt=0, description="A request body that sends nothing for this long is answered 408."
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Time a connection has to send a request's line and headers (then 408, closed)."
+    )
+    max_header_bytes: int = Field(32 * 1024, ge=4096, description="Largest request line + headers (431 beyond).")
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="Idle keep-alive connections are closed after this.")
+    max_connections: int = Field(
+        1000, ge=1, description="Concurrent connections (and requests) served; beyond, uvicorn answers 503."
+    )
+    worker_threads: int = Field(
+        40, ge=1, description="Threads that run database and storage calls (anyio's default limiter)."
+    )
     log_level: str = "info"
 
     @field_validator("token_verify_keys", mode="before")

@@ -22,6 +22,7 @@ import uvicorn
 from cgstore.app import create_app
 from cgstore.core import migrate
 from cgstore.core.context import StoreContext
+from cgstore.core.serving import server_options
 from cgstore.settings import Settings
 from tests.support.services import S3Server, free_port, use_test_aws_credentials
 
@@ -58,7 +59,9 @@ def running_store(settings: Settings, configuration: str) -> Iterator[LiveStore]
     migrate.upgrade(settings.resolved_database_url)
     app = create_app(settings)
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **server_options(settings)
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"store-{configuration}", daemon=True)
     thread.start()

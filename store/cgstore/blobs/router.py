@@ -10,7 +10,7 @@ from cgstore.blobs import service
 from cgstore.blobs.schemas import MissingAnswer, MissingQuery
 from cgstore.core.auth import require_claims
 from cgstore.core.context import StoreContext, get_context
-from cgstore.core.http import body_chunks, declared_length, parse_range, read_json
+from cgstore.core.http import declared_length, feed_body, parse_content_range, parse_range, read_json
 from cgstore.tokens.service import Claims
 
 router = APIRouter(prefix="/v1/repos/{owner}/{repo}", tags=["blobs"])
@@ -76,9 +76,7 @@ async def put_blob(
     owner: str, repo: str, digest: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
-    size = await run_in_threadpool(
-        service.upload, ctx, claims, owner, repo, digest, declared_length(request), body_chunks(request)
-    )
+    size = await feed_body(request, service.upload(ctx, claims, owner, repo, digest, declared_length(request)))
     return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
 
 
@@ -110,10 +108,8 @@ async def upload_chunk(
     owner: str, repo: str, session_id: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
-    content_range = service.parse_content_range(request.headers.get("content-range"))
-    offset = await run_in_threadpool(
-        service.append, ctx, claims, owner, repo, session_id, content_range, body_chunks(request)
-    )
+    content_range = parse_content_range(request.headers.get("content-range"))
+    offset = await feed_body(request, service.append(ctx, claims, owner, repo, session_id, content_range))
     return Response(status_code=202, headers=_upload_headers(owner, repo, session_id, offset))
 
 
@@ -132,9 +128,7 @@ async def commit_upload(
     digest: str = Query(max_length=100),
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
-    size = await run_in_threadpool(
-        service.commit_session, ctx, claims, owner, repo, session_id, digest, body_chunks(request)
-    )
+    size = await feed_body(request, service.commit_session(ctx, claims, owner, repo, session_id, digest))
     return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
 
 

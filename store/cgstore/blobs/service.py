@@ -6,6 +6,12 @@ the digest and size of the whole stream; a failure at any point leaves no
 link and no visible bytes. Database transactions stay short: none is held open
 while bytes stream.
 
+Services that take a request body are generators (``core.http.BodyConsumer``):
+primed, their checks run before any byte is read; then they are sent each
+batch of the body, and ``None`` at its end. The HTTP layer runs each step in a
+worker thread and awaits the body on the event loop in between, so no thread
+waits on a slow client; a consumer closed mid-body aborts its write.
+
 Knowing a digest grants nothing: a repo gets a link only by sending the bytes
 (which are hashed even when the blob is already stored) or by mounting from a
 repo the caller can read.
@@ -14,10 +20,8 @@ repo the caller can read.
 from __future__ import annotations
 
 import datetime as dt
-import itertools
-import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
 from cgstore_client.keys import is_digest
@@ -27,6 +31,7 @@ from cgstore.audit.service import record
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
 from cgstore.core.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
+from cgstore.core.http import BodyConsumer
 from cgstore.core.errors import (
     BlobUnknown,
     BlobUploadUnknown,
@@ -35,6 +40,7 @@ from cgstore.core.errors import (
     SizeInvalid,
     TooLarge,
 )
+from cgstore.core.faults import crash_point
 from cgstore.repos.models import Repo
 from cgstore.repos.service import readable_repo, writable_repo
 from cgstore.storage import StagedUpload
@@ -111,9 +117,8 @@ def upload(
     repo: str,
     digest: str,
     declared_size: int | None,
-    chunks: Iterator[bytes],
-) -> int:
-    """Monolithic PUT: stream ``chunks`` into storage verified, then link. Returns the size."""
+) -> BodyConsumer[int]:
+    """Monolithic PUT: stream the body into storage verified, then link. Returns the size."""
     validate_digest(digest)
     _check_size_limit(ctx, declared_size)
     with ctx.db.session() as session:
@@ -125,9 +130,10 @@ def upload(
     else:
         writer = ctx.storage.writer(digest, declared_size)
     with writer:
-        for chunk in chunks:
+        while (chunk := (yield)) is not None:
             writer.write(chunk)
         size = writer.commit()
+    crash_point("upload.stored")
     _link(ctx, claims, target, digest, size, action="blob.upload")
     return size
 
@@ -213,17 +219,26 @@ def append(
     repo: str,
     session_id: str,
     content_range: tuple[int, int] | None,
-    chunks: Iterator[bytes],
-) -> int:
-    """Stage one chunk; it must start at the committed offset. Returns the new offset."""
+) -> BodyConsumer[int]:
+    """Stage one chunk (the body); it must start at the committed offset. Returns the new offset."""
     found = _find_session(ctx, claims, owner, repo, session_id)
     if content_range is not None and content_range[0] != found.offset:
         raise RangeInvalid("chunk does not start at the committed offset", offset=found.offset)
     expected = None if content_range is None else content_range[1] - content_range[0]
-    counted = _counting(chunks, found.offset, expected, ctx.settings.max_blob_bytes)
-    staged = ctx.storage.stage_append(StagedUpload(found.id, found.offset, found.storage_state), counted)
+    limit = ctx.settings.max_blob_bytes
+    received = 0
+    with ctx.storage.stage_writer(StagedUpload(found.id, found.offset, found.storage_state)) as writer:
+        while (chunk := (yield)) is not None:
+            received += len(chunk)
+            if expected is not None and received > expected:
+                raise SizeInvalid("chunk longer than its Content-Range", expected=expected)
+            if found.offset + received > limit:
+                raise TooLarge(f"blobs are at most {limit} bytes", limit=limit)
+            writer.write(chunk)
+        staged = writer.finish()
     if expected is not None and staged.offset - found.offset != expected:
         raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=staged.offset - found.offset)
+    crash_point("session.staged")
     with ctx.db.session() as session:
         # Compare-and-set on the offset: of two racing chunks at one offset, one wins.
         moved = session.execute(
@@ -236,17 +251,6 @@ def append(
     return staged.offset
 
 
-def _counting(chunks: Iterator[bytes], offset: int, expected: int | None, limit: int) -> Iterator[bytes]:
-    received = 0
-    for chunk in chunks:
-        received += len(chunk)
-        if expected is not None and received > expected:
-            raise SizeInvalid("chunk longer than its Content-Range", expected=expected)
-        if offset + received > limit:
-            raise TooLarge(f"blobs are at most {limit} bytes", limit=limit)
-        yield chunk
-
-
 def commit_session(
     ctx: StoreContext,
     claims: Claims,
@@ -254,13 +258,12 @@ def commit_session(
     repo: str,
     session_id: str,
     digest: str,
-    final_chunk: Iterator[bytes],
-) -> int:
-    """Append an optional last chunk, verify the whole stream, link the blob. Returns the size."""
+) -> BodyConsumer[int]:
+    """Append an optional last chunk (the body), verify the whole stream, link the blob. Returns the size."""
     validate_digest(digest)
-    final_chunk = _unless_empty(final_chunk)
-    if final_chunk is not None:
-        append(ctx, claims, owner, repo, session_id, None, final_chunk)
+    first = yield
+    if first is not None:
+        yield from _append_from(first, append(ctx, claims, owner, repo, session_id, None))
     found = _find_session(ctx, claims, owner, repo, session_id)
     staged = StagedUpload(found.id, found.offset, found.storage_state)
     try:
@@ -269,6 +272,7 @@ def commit_session(
         # The storage dropped the staged bytes: a mismatch leaves nothing to resume.
         _forget_session(ctx, found.id)
         raise
+    crash_point("commit.stored")
     _forget_session(ctx, found.id)
     with ctx.db.session() as session:
         target = session.get(Repo, found.repo_id)
@@ -276,12 +280,20 @@ def commit_session(
     return size
 
 
-def _unless_empty(chunks: Iterator[bytes]) -> Iterator[bytes] | None:
-    """``chunks`` unchanged, or None when it yields no bytes at all."""
-    for first in chunks:
-        if first:
-            return itertools.chain([first], chunks)
-    return None
+def _append_from(first: bytes, appending: BodyConsumer[int]) -> Generator[None, bytes | None, None]:
+    """Feed ``appending`` the batch already received, then the rest of the body."""
+    next(appending)
+    chunk: bytes | None = first
+    try:
+        while chunk is not None:
+            appending.send(chunk)
+            chunk = yield
+        appending.send(None)
+    except StopIteration:
+        return
+    finally:
+        appending.close()  # closed mid-body: its write aborts
+    raise RuntimeError("append asked for bytes after the body ended")
 
 
 def cancel_session(ctx: StoreContext, claims: Claims, owner: str, repo: str, session_id: str) -> None:
@@ -312,15 +324,3 @@ def reap_expired_sessions(ctx: StoreContext, now: dt.datetime | None = None) -> 
 def open_session_count(ctx: StoreContext) -> int:
     with ctx.db.session() as session:
         return session.scalar(select(func.count()).select_from(UploadSession).where(UploadSession.expires_at > utcnow()))
-
-
-def parse_content_range(header: str | None) -> tuple[int, int] | None:
-    """OCI ``Content-Range: <start>-<end>`` (inclusive; ``bytes `` prefix and ``/total`` tolerated)."""
-    if header is None:
-        return None
-    match = re.fullmatch(r"(?:bytes[ =])?(\d+)-(\d+)(?:/(?:\d+|\*))?", header.strip(), re.ASCII)
-    if not match or int(match.group(2)) < int(match.group(1)):
-        raise RangeInvalid("Content-Range must be '<start>-<end>'", content_range=header[:100])
-    return int(match.group(1)), int(match.group(2)) + 1
-
-

@@ -10,11 +10,14 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
-from sqlalchemy import DateTime, MetaData, create_engine, event
+from sqlalchemy import DateTime, MetaData, create_engine, event, make_url
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
+
+from cgstore.core.private import private_dir, private_file
 
 # Stable constraint names, so Alembic revisions can refer to them on both dialects.
 NAMING_CONVENTION = {
@@ -53,8 +56,23 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+def prepare_sqlite_file(url: str) -> None:
+    """Create a SQLite database file, and its directory, private before SQLite creates it.
+
+    SQLite gives its -wal and -shm files the database file's mode, so a 0600
+    database keeps its journals private too. Not a SQLite file URL: nothing to do.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:") or parsed.query.get("uri"):
+        return
+    path = Path(parsed.database)
+    private_dir(path.parent)
+    private_file(path)
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
+        prepare_sqlite_file(url)
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _tune_sqlite)
         return engine
@@ -69,6 +87,10 @@ def _tune_sqlite(dbapi_connection, _record) -> None:
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
+
+
+class ReadOnlyDatabase(Exception):
+    """The database answers but refuses writes (reported by readiness, never to a client)."""
 
 
 class Database:
@@ -91,8 +113,20 @@ class Database:
                 raise
 
     def ping(self) -> None:
+        """Raise unless the database answers *and accepts writes*.
+
+        A read-only database (a standby, ``default_transaction_read_only``, a
+        SQLite file opened read-only) answers ``SELECT 1`` but would fail every
+        upload, so it is not ready.
+        """
         with self.engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
+            if conn.dialect.name == "postgresql":
+                # No write needed: PostgreSQL says so, without locks or dead rows.
+                if conn.exec_driver_sql("SHOW transaction_read_only").scalar() == "on":
+                    raise ReadOnlyDatabase("the database is read-only")
+            else:
+                # SQLite has no such flag: a no-op write, rolled back when the block exits.
+                conn.exec_driver_sql("UPDATE alembic_version SET version_num = version_num")
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -81,6 +81,11 @@ class BlobUploadUnknown(StoreError):
 class RangeInvalid(StoreError):
     code, status = "RANGE_INVALID", 416
 
+    def headers(self) -> dict[str, str]:
+        # RFC 9110 §15.5.17: a 416 to a ranged read names the representation's length.
+        size = self.detail.get("size")
+        return {"Content-Range": f"bytes */{size}"} if isinstance(size, int) else {}
+
 
 class BadRequest(StoreError):
     """Malformed request body or parameters that no more specific code covers."""
@@ -90,6 +95,22 @@ class BadRequest(StoreError):
 
 class TooLarge(StoreError):
     code, status = "TOO_LARGE", 413
+
+
+class HeadersTooLarge(TooLarge):
+    """Request line and headers over ``CGSTORE_MAX_HEADER_BYTES`` (answered by the server protocol)."""
+
+    status = 431
+
+
+class RequestTimeout(StoreError):
+    """The client sent nothing for too long: headers, or body bytes for ``CGSTORE_BODY_IDLE_TIMEOUT_S``."""
+
+    code, status = "REQUEST_TIMEOUT", 408
+
+    def headers(self) -> dict[str, str]:
+        # The rest of the body will never be read: the connection cannot carry another request.
+        return {"Connection": "close"}
 
 
 class Unavailable(StoreError):

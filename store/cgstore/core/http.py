@@ -5,18 +5,22 @@ responses: ``StoreError`` subclasses carry their protocol code and status;
 database and storage outages become 503 ``UNAVAILABLE`` with ``Retry-After``;
 request validation failures become 400 with the protocol's error body. Refusals
 (401, 403, and 404s that hide a denial) are audited here.
+
+Request bodies are read here too, always on the event loop (``feed_body``):
+a client that stalls mid-body costs a connection and at most one batch of
+memory, never a worker thread.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Generator
 from typing import Any, TypeVar
 
-import anyio.from_thread
-
+import anyio
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +34,7 @@ from cgstore.audit.service import record_denial
 from cgstore.core.errors import (
     BadRequest,
     RangeInvalid,
+    RequestTimeout,
     SizeInvalid,
     StoreError,
     TooLarge,
@@ -39,6 +44,7 @@ from cgstore.core.errors import (
 
 log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
+T = TypeVar("T")
 
 _HTTP_CODES = {404: "NAME_UNKNOWN", 405: "UNSUPPORTED", 413: "TOO_LARGE"}
 
@@ -74,7 +80,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if _is_denial(err):
             await _audit_denial(request, err)
         if isinstance(err, Unavailable):
-            log.warning("unavailable: %s", err.message)
+            # The cause (paths, endpoints) is for the operator's log, never the client's body.
+            log.warning("unavailable: %s (%s)", err.message, err.__cause__)
         return error_response(err)
 
     @app.exception_handler(sqlalchemy.exc.OperationalError)
@@ -113,11 +120,11 @@ def _plain_errors(errors: Any) -> list[dict[str, Any]]:
 
 async def read_json(request: Request, model: type[Model], max_bytes: int) -> Model:
     """Parse a JSON body into ``model``, refusing bodies over ``max_bytes`` while they stream in."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    declared = declared_length(request)
+    if declared is not None and declared > max_bytes:
         raise TooLarge(f"JSON body over {max_bytes} bytes", limit=max_bytes)
     body = bytearray()
-    async for chunk in request.stream():
+    async for chunk in body_batches(request, batch_bytes=max_bytes + 1):
         body += chunk
         if len(body) > max_bytes:
             raise TooLarge(f"JSON body over {max_bytes} bytes", limit=max_bytes)
@@ -129,64 +136,157 @@ async def read_json(request: Request, model: type[Model], max_bytes: int) -> Mod
         raise BadRequest("request body is not valid JSON") from None
 
 
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)", re.ASCII)
+#: Longest decimal number accepted from a request (a header or a query): any
+#: byte offset or size the store can hold fits in 19 digits (int64). Checked by
+#: the grammar *before* ``int()``, so thousands of digits never reach the conversion.
+MAX_NUMBER_DIGITS = 19
+#: How much of a client's header is echoed back in an error's detail.
+MAX_ECHO_CHARS = 64
+
+_NUMBER = re.compile(rf"[0-9]{{1,{MAX_NUMBER_DIGITS}}}", re.ASCII)
+_OPTIONAL_NUMBER = rf"([0-9]{{0,{MAX_NUMBER_DIGITS}}})"
+# RFC 9110 §14.1.2: "bytes=" first-pos "-" [last-pos] | "bytes=-" suffix-length; the unit is case-insensitive.
+_RANGE = re.compile(rf"bytes={_OPTIONAL_NUMBER}-{_OPTIONAL_NUMBER}", re.ASCII | re.IGNORECASE)
+_RANGE_UNIT = re.compile(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+)=", re.ASCII)
+# OCI chunk ranges are inclusive "<start>-<end>"; a "bytes " prefix and a "/total" are tolerated.
+_CONTENT_RANGE = re.compile(
+    rf"(?:bytes[ =])?([0-9]{{1,{MAX_NUMBER_DIGITS}}})-([0-9]{{1,{MAX_NUMBER_DIGITS}}})"
+    rf"(?:/(?:[0-9]{{1,{MAX_NUMBER_DIGITS}}}|\*))?",
+    re.ASCII,
+)
+
+
+def echo(value: str) -> str:
+    """A client-supplied value cut to a bounded length, for an error's detail."""
+    return value[:MAX_ECHO_CHARS]
+
+
+def parse_number(value: str) -> int | None:
+    """A bounded, plain ASCII decimal (``str.isdigit`` would also pass "²"); None when it is not one."""
+    return int(value) if _NUMBER.fullmatch(value) else None
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """``Range: bytes=a-b | a- | -n`` → half-open ``(start, end)``; None for the whole blob.
 
-    Multiple ranges are not supported (416, like a range that cannot be satisfied).
+    RFC 9110 §14.2: a range unit other than ``bytes`` is ignored (the whole blob).
+    Multiple ranges are not supported (416, like a range that cannot be
+    satisfied). On an empty blob no range selects a byte, so every range is
+    416: RFC 9110 calls a suffix range satisfiable there, but no Content-Range
+    can describe the empty part it would select.
     """
     if header is None:
         return None
-    match = _RANGE.fullmatch(header.strip())
+    header = header.strip()
+    unit = _RANGE_UNIT.match(header)
+    if unit is not None and unit.group(1).lower() != "bytes":
+        return None
+    match = _RANGE.fullmatch(header)
     if not match or match.group(1) == match.group(2) == "":
-        raise RangeInvalid("unsupported Range header", range=header, size=size)
+        raise RangeInvalid("unsupported Range header", range=echo(header), size=size)
     first, last = match.groups()
     if first == "":
         length = int(last)
-        if length == 0:
-            raise RangeInvalid("empty suffix range", range=header, size=size)
+        if length == 0 or size == 0:
+            raise RangeInvalid("range not satisfiable", range=echo(header), size=size)
         return max(size - length, 0), size
     start = int(first)
-    end = size if last == "" else min(int(last) + 1, size)
     if start >= size or (last != "" and int(last) < start):
-        raise RangeInvalid("range not satisfiable", range=header, size=size)
-    return start, end
+        raise RangeInvalid("range not satisfiable", range=echo(header), size=size)
+    return start, size if last == "" else min(int(last) + 1, size)
 
 
-def body_chunks(request: Request, batch_bytes: int = 1 << 20) -> Iterator[bytes]:
-    """The request body as a plain iterator, for a service running in a worker thread.
+def parse_content_range(header: str | None) -> tuple[int, int] | None:
+    """OCI ``Content-Range: <start>-<end>`` (inclusive) → half-open ``(start, end)``; None when absent."""
+    if header is None:
+        return None
+    match = _CONTENT_RANGE.fullmatch(header.strip())
+    if not match or int(match.group(2)) < int(match.group(1)):
+        raise RangeInvalid("Content-Range must be '<start>-<end>'", content_range=echo(header))
+    return int(match.group(1)), int(match.group(2)) + 1
 
-    Each step hops to the event loop once and gathers up to ``batch_bytes``, so
-    a GiB costs about a thousand hops, and memory stays at one batch.
-    A client that disconnects raises ``ClientDisconnect`` inside the service,
-    whose writer then aborts.
+
+#: A body is read on the event loop and handed to a worker thread in batches of
+#: this size: one thread hop per MiB, and memory stays at one batch per request.
+BODY_BATCH_BYTES = 1 << 20
+
+#: A service step that consumes a request body (the service never sees HTTP):
+#: primed with ``next`` (its checks run before any byte is read), sent each
+#: batch, then ``None`` at the end of the body; what it returns is the answer.
+BodyConsumer = Generator[None, bytes | None, T]
+
+
+async def body_batches(request: Request, batch_bytes: int = BODY_BATCH_BYTES) -> AsyncIterator[bytes]:
+    """The request body in immutable batches of up to ``batch_bytes``, read on the event loop.
+
+    A body that sends nothing for ``CGSTORE_BODY_IDLE_TIMEOUT_S`` raises
+    ``RequestTimeout`` (408); a client that goes away raises ``ClientDisconnect``.
     """
+    idle_s = request.app.state.context.settings.body_idle_timeout_s
     stream = request.stream()
-
-    async def next_batch() -> bytes | None:
-        chunks, gathered = [], 0
-        while gathered < batch_bytes:
-            try:
-                chunk = await stream.__anext__()
-            except StopAsyncIteration:
-                break
+    chunks: list[bytes] = []
+    gathered = 0
+    while True:
+        try:
+            with anyio.fail_after(idle_s):
+                chunk = await anext(stream)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise RequestTimeout(f"the request body sent nothing for {idle_s:g} s", idle_timeout_s=idle_s) from None
+        if chunk:
             chunks.append(chunk)
             gathered += len(chunk)
-        # One copy into an exactly sized, immutable batch (none for a lone
-        # chunk): writers may then keep batches by reference (the S3 writer
-        # does while a blob may still fit one PUT), and nothing is regrown.
-        return (chunks[0] if len(chunks) == 1 else b"".join(chunks)) if gathered else None
+        if gathered >= batch_bytes:
+            yield _joined(chunks)
+            chunks, gathered = [], 0
+    if gathered:
+        yield _joined(chunks)
 
-    while (batch := anyio.from_thread.run(next_batch)) is not None:
-        yield batch
+
+def _joined(chunks: list[bytes]) -> bytes:
+    # One copy into an exactly sized, immutable batch (none for a lone chunk):
+    # writers may then keep batches by reference (the S3 writer does while a
+    # blob may still fit one PUT), and nothing is regrown.
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def feed_body(request: Request, consumer: BodyConsumer[T]) -> T:
+    """Run ``consumer`` over the request body and return its answer.
+
+    Each step of the consumer (its checks, each batch's write, the commit) is
+    one short worker-thread call; the body is awaited on the event loop in
+    between. So a slow or stalled client holds no thread, and token checks,
+    reads and audit writes, which share the pool, are never starved by uploads.
+    """
+    try:
+        await run_in_threadpool(next, consumer)
+        async for batch in body_batches(request):
+            await run_in_threadpool(consumer.send, batch)
+        return await run_in_threadpool(_end_of_body, consumer)
+    finally:
+        if inspect.getgeneratorstate(consumer) != inspect.GEN_CLOSED:
+            # Left mid-body (timeout, client gone, refusal, cancellation): closing
+            # runs the consumer's ``with`` blocks, which abort its write, so
+            # nothing is left behind. Shielded: a cancelled request still cleans up.
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(consumer.close)
+
+
+def _end_of_body(consumer: BodyConsumer[T]) -> T:
+    try:
+        consumer.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a body consumer asked for bytes after the body ended")
 
 
 def declared_length(request: Request) -> int | None:
+    """The declared body size; a Content-Length that is not a bounded decimal is 400 ``SIZE_INVALID``."""
     value = request.headers.get("content-length")
     if value is None:
         return None
-    if not value.isdigit():
-        raise SizeInvalid("Content-Length is not a number")
-    return int(value)
+    number = parse_number(value.strip())
+    if number is None:
+        raise SizeInvalid("Content-Length is not a number", content_length=echo(value))
+    return number

@@ -11,6 +11,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine
 
+from cgstore.core.db import prepare_sqlite_file
+
 
 def migrations_dir() -> Path:
     override = os.environ.get("CGSTORE_MIGRATIONS_DIR")
@@ -29,8 +31,7 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    prepare_sqlite_file(url)
     command.upgrade(alembic_config(url), revision)
 
 

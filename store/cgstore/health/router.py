@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from cgstore.core.context import StoreContext, get_context
+from cgstore.core.errors import Unavailable
 from cgstore.health import service
 
 router = APIRouter(tags=["service"])
@@ -20,10 +21,13 @@ async def healthz() -> dict:
 @router.get("/readyz")
 async def readyz(response: Response, ctx: StoreContext = Depends(get_context)) -> dict:
     checks = await run_in_threadpool(service.readiness, ctx)
-    if not all(check == "ok" for check in checks.values()):
+    ready = all(check == "ok" for check in checks.values())
+    if not ready:
         response.status_code = 503
-        response.headers["Retry-After"] = "5"
-    return {"status": "ok" if response.status_code == 200 else "unavailable", "checks": checks}
+        response.headers["Retry-After"] = str(Unavailable.retry_after_s)
+    # Decided from the checks, not read back from ``response``: FastAPI's injected
+    # response has no status until one is set, so reading it back said "unavailable".
+    return {"status": "ok" if ready else "unavailable", "checks": checks}
 
 
 @router.get("/metrics")

@@ -46,6 +46,34 @@ class BlobWriter(abc.ABC):
             self.abort()
 
 
+class StageWriter(abc.ABC):
+    """One append to an upload session's staging, fed chunk by chunk.
+
+    Push-style, like ``BlobWriter``, so the HTTP layer can read a slow body on
+    the event loop and hand each batch to ``write`` in a short worker-thread
+    call: no thread waits on a client.
+    """
+
+    @abc.abstractmethod
+    def write(self, chunk: bytes) -> None:
+        """Stage the next bytes."""
+
+    @abc.abstractmethod
+    def finish(self) -> StagedUpload:
+        """Make the staged bytes durable and return the state that names them."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard this append's bytes (the state before it stays valid). Idempotent."""
+
+    def __enter__(self) -> StageWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
 @dataclass
 class StagedUpload:
     """Backend bookkeeping for the bytes of one resumable upload session.
@@ -92,18 +120,25 @@ class Storage(abc.ABC):
         """Prepare empty staging for a new upload session."""
 
     @abc.abstractmethod
-    def stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
-        """Append a chunk (streamed) at ``staged.offset``; return the new state.
+    def stage_writer(self, staged: StagedUpload) -> StageWriter:
+        """Start appending a chunk at ``staged.offset``; ``finish`` returns the new state.
 
-        If the stream fails midway, the returned/persisted state must still
-        describe only fully staged chunks (the client retries from there).
+        If the stream fails midway, the persisted state must still describe
+        only fully staged chunks (the client retries from there).
 
         Only the returned state names staged bytes. Callers record it by
-        compare-and-set on the offset *after* this returns, so two appends from
+        compare-and-set on the offset *after* ``finish``, so two appends from
         the same state may both run: neither may disturb the bytes the other's
         state names, and bytes named by no recorded state (a lost race, a
         crashed process) are reclaimed by ``stage_commit`` / ``stage_abort``.
         """
+
+    def stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
+        """Append a chunk given as an iterator (``stage_writer`` for callers that pull)."""
+        with self.stage_writer(staged) as writer:
+            for chunk in chunks:
+                writer.write(chunk)
+            return writer.finish()
 
     @abc.abstractmethod
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:

@@ -14,10 +14,12 @@ writes both succeed and leave one file. A mismatch deletes the temp file, so
 nothing is ever visible under ``blobs/`` that was not verified.
 
 Staged uploads append to one file per session. The caller records a new
-offset with a compare-and-set *after* ``stage_append`` returns, so two racing
+offset with a compare-and-set *after* an append finishes, so two racing
 appends at one offset both reach storage and only one is recorded. Overwriting
 at the offset would let the loser corrupt the winner's bytes; instead every
-append goes to the current end of the file, under an exclusive ``flock``, and
+append goes to the current end of the file, under an exclusive ``flock``
+(taken without waiting: a session busy with another append or a commit answers
+416 at once, so no worker thread ever waits on a slow client's append), and
 the session state lists the live ``[file_position, length]`` extents. Bytes no
 extent names (a loser's, a crashed append's) are dead. An append ends with an
 fsync before it returns (the recorded offset must never run ahead of durable
@@ -37,6 +39,7 @@ removes those older than a given age.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -46,8 +49,17 @@ from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from cgstore.core.errors import BlobUnknown, BlobUploadUnknown, DigestInvalid, SizeInvalid, TooLarge, Unavailable
-from cgstore.storage.base import BlobWriter, StagedUpload, Storage
+from cgstore.core.errors import (
+    BlobUnknown,
+    BlobUploadUnknown,
+    DigestInvalid,
+    RangeInvalid,
+    SizeInvalid,
+    TooLarge,
+    Unavailable,
+)
+from cgstore.core.private import DIR_MODE, FILE_MODE, private_dir
+from cgstore.storage.base import BlobWriter, StagedUpload, StageWriter, Storage
 from cgstore.storage.hashing import (
     READ_CHUNK_BYTES,
     StreamVerifier,
@@ -68,13 +80,19 @@ def root_from_url(url: str) -> Path:
     return Path(url)
 
 
+def _os_cause(exc: OSError) -> str:
+    """What failed, for the client: the errno and its text, never the path (it stays in the log)."""
+    name = errno.errorcode.get(exc.errno, type(exc).__name__) if exc.errno else type(exc).__name__
+    return f"{name}: {exc.strerror}" if exc.strerror else name
+
+
 @contextlib.contextmanager
 def _os_errors(operation: str) -> Iterator[None]:
     """A failing disk (EIO, ENOSPC, EACCES) is an outage to the caller, never a 500."""
     try:
         yield
     except OSError as exc:
-        raise Unavailable("storage failed", operation=operation, cause=f"{type(exc).__name__}: {exc}") from exc
+        raise Unavailable(f"storage failed: {operation}", operation=operation, cause=_os_cause(exc)) from exc
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
@@ -105,8 +123,9 @@ class FileStorage(Storage):
         self.blobs_dir = self.root / "blobs"
         self.tmp_dir = self.root / "tmp"
         self.uploads_dir = self.root / "uploads"
+        private_dir(self.root)
         for directory in (self.blobs_dir, self.tmp_dir, self.uploads_dir):
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=DIR_MODE, exist_ok=True)
 
     @classmethod
     def from_settings(cls, settings) -> FileStorage:
@@ -123,7 +142,7 @@ class FileStorage(Storage):
         """Atomically move a verified, fsynced file onto its blob name, durably."""
         final = self._blob_path(hex_digest)
         try:
-            final.parent.mkdir()
+            final.parent.mkdir(mode=DIR_MODE)
             _fsync_dir(self.blobs_dir)  # the new shard directory's own entry
         except FileExistsError:
             pass
@@ -143,7 +162,7 @@ class FileStorage(Storage):
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise Unavailable("storage failed", operation="size", cause=str(exc)) from exc
+            raise Unavailable("storage failed: size", operation="size", cause=_os_cause(exc)) from exc
 
     def read(self, digest: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         # Open now, not on first iteration: an absent blob must raise before the
@@ -155,7 +174,7 @@ class FileStorage(Storage):
         except FileNotFoundError:
             raise BlobUnknown("blob unknown", digest=digest) from None
         except OSError as exc:
-            raise Unavailable("storage failed", operation="read", cause=str(exc)) from exc
+            raise Unavailable("storage failed: read", operation="read", cause=_os_cause(exc)) from exc
         return _stream_file(file, start, end)
 
     def delete(self, digest: str) -> None:
@@ -168,46 +187,14 @@ class FileStorage(Storage):
         with _os_errors("stage_begin"):
             try:
                 # O_EXCL: session ids are fresh; never truncate another session's bytes.
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
             except FileExistsError:
                 raise ValueError(f"upload session {session_id} already has staging") from None
             _fsync_dir(self.uploads_dir)
         return StagedUpload(session_id=session_id, offset=0, state={"extents": []})
 
-    def stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
-        extents = _extents(staged)
-        with self._locked_staging(staged.session_id) as fd:
-            # Append after everything in the file, never at the offset: bytes past
-            # the offset may be a crashed append's or those of a racing append whose
-            # compare-and-set on the offset has not landed yet.
-            position = os.fstat(fd).st_size
-            written = self._append_chunks(fd, staged.offset, position, chunks)
-        if written:
-            extents.append([position, written])
-        return StagedUpload(staged.session_id, staged.offset + written, {**staged.state, "extents": extents})
-
-    def _append_chunks(self, fd: int, offset: int, position: int, chunks: Iterator[bytes]) -> int:
-        """Write the chunks at ``position`` and fsync; on any failure cut the file back."""
-        written = 0
-        try:
-            # Only the disk's errors are outages; the chunk stream's (a client
-            # that went away: ConnectionResetError is an OSError) propagate as they are.
-            with _os_errors("stage_append"):
-                os.lseek(fd, position, os.SEEK_SET)
-            for chunk in chunks:
-                if self.max_blob_bytes is not None and offset + written + len(chunk) > self.max_blob_bytes:
-                    raise TooLarge("blob exceeds the store's size limit", limit=self.max_blob_bytes)
-                with _os_errors("stage_append"):
-                    _write_all(fd, chunk)
-                written += len(chunk)
-            with _os_errors("stage_append"):
-                os.fsync(fd)  # durable before the caller records the new offset
-        except BaseException:
-            # Best effort: bytes left behind are dead (no extent names them).
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, position)
-            raise
-        return written
+    def stage_writer(self, staged: StagedUpload) -> StageWriter:
+        return FileStageWriter(self, staged)
 
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         # A malformed digest is refused before anything is dropped: it is a bad
@@ -270,10 +257,17 @@ class FileStorage(Storage):
         except FileNotFoundError:
             raise BlobUploadUnknown("no such upload session", session_id=session_id) from None
         except OSError as exc:
-            raise Unavailable("storage failed", operation="stage", cause=str(exc)) from exc
+            raise Unavailable("storage failed: stage", operation="stage", cause=_os_cause(exc)) from exc
         try:
+            try:
+                # Never wait: the holder may be an append whose client is slow, and a
+                # thread parked here would be one the whole API shares. Any other
+                # append now starts at the same committed offset, so it would lose
+                # the compare-and-set anyway.
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RangeInvalid("another chunk of this session is being written") from None
             with _os_errors("stage"):
-                fcntl.flock(fd, fcntl.LOCK_EX)
                 try:
                     still_ours = os.stat(path).st_ino == os.fstat(fd).st_ino
                 except FileNotFoundError:
@@ -288,7 +282,8 @@ class FileStorage(Storage):
     def ping(self) -> None:
         for directory in (self.blobs_dir, self.tmp_dir, self.uploads_dir):
             if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
-                raise Unavailable("storage directory is missing or not writable", path=str(directory))
+                # The directory's role, not its absolute path: clients learn what failed, not where.
+                raise Unavailable("storage directory is missing or not writable", directory=directory.name)
 
     def sweep_orphans(self, older_than_s: float) -> int:
         """Delete temp files of writes that died more than ``older_than_s`` ago."""
@@ -348,7 +343,7 @@ def _stream_file(file, start: int, end: int | None) -> Iterator[bytes]:
                     remaining -= len(data)
                 yield data
         except OSError as exc:
-            raise Unavailable("storage failed", operation="read", cause=str(exc)) from exc
+            raise Unavailable("storage failed: read", operation="read", cause=_os_cause(exc)) from exc
 
 
 class FileBlobWriter(BlobWriter):
@@ -359,7 +354,7 @@ class FileBlobWriter(BlobWriter):
         self._verifier = verifier
         self._temp_path = storage.tmp_dir / f"{verifier.hex}.{uuid.uuid4().hex}.part"
         with _os_errors("write"):
-            self._fd: int | None = os.open(self._temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._fd: int | None = os.open(self._temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
 
     def write(self, chunk: bytes) -> None:
         if self._fd is None:
@@ -395,3 +390,70 @@ class FileBlobWriter(BlobWriter):
         # After a successful commit the temp name is gone; missing_ok covers it.
         with contextlib.suppress(OSError):
             self._temp_path.unlink(missing_ok=True)
+
+
+class FileStageWriter(StageWriter):
+    """One append to a session's staging file, under its lock from start to finish or abort.
+
+    Bytes go after everything in the file, never at the offset: bytes past the
+    offset may be a crashed append's or those of a racing append whose
+    compare-and-set on the offset has not landed yet. ``finish`` fsyncs before
+    it returns (the recorded offset must never run ahead of durable bytes); an
+    abort cuts the file back to where this append started.
+    """
+
+    def __init__(self, storage: FileStorage, staged: StagedUpload) -> None:
+        self._storage = storage
+        self._staged = staged
+        self._written = 0
+        self._lock = contextlib.ExitStack()
+        self._fd: int | None = self._lock.enter_context(storage._locked_staging(staged.session_id))
+        try:
+            with _os_errors("stage_append"):
+                self._position = os.fstat(self._fd).st_size
+                os.lseek(self._fd, self._position, os.SEEK_SET)
+        except BaseException:
+            self._release()
+            raise
+
+    def write(self, chunk: bytes) -> None:
+        if self._fd is None:
+            raise RuntimeError("write after finish or abort")
+        try:
+            limit = self._storage.max_blob_bytes
+            if limit is not None and self._staged.offset + self._written + len(chunk) > limit:
+                raise TooLarge("blob exceeds the store's size limit", limit=limit)
+            with _os_errors("stage_append"):
+                _write_all(self._fd, chunk)
+            self._written += len(chunk)
+        except BaseException:
+            self.abort()
+            raise
+
+    def finish(self) -> StagedUpload:
+        if self._fd is None:
+            raise RuntimeError("finish after finish or abort")
+        try:
+            with _os_errors("stage_append"):
+                os.fsync(self._fd)  # durable before the caller records the new offset
+        except BaseException:
+            self.abort()
+            raise
+        self._release()
+        extents = _extents(self._staged)
+        if self._written:
+            extents.append([self._position, self._written])
+        staged = self._staged
+        return StagedUpload(staged.session_id, staged.offset + self._written, {**staged.state, "extents": extents})
+
+    def abort(self) -> None:
+        if self._fd is None:
+            return
+        # Best effort: bytes left behind are dead (no extent names them).
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, self._position)
+        self._release()
+
+    def _release(self) -> None:
+        self._fd = None
+        self._lock.close()  # closes the file, which releases the lock

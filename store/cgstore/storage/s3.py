@@ -137,7 +137,7 @@ from cgstore.core.errors import (
     Unavailable,
 )
 from cgstore.settings import parse_s3_url
-from cgstore.storage.base import BlobWriter, StagedUpload, Storage
+from cgstore.storage.base import BlobWriter, StagedUpload, StageWriter, Storage
 from cgstore.storage import hashing
 from cgstore.storage.hashing import READ_CHUNK_BYTES, StreamVerifier, check_range, check_session_id
 
@@ -222,9 +222,8 @@ def _s3_errors(operation: str) -> Iterator[None]:
             raise Unavailable("object storage failed", operation=operation, code=code, status=status) from exc
         raise
     except _TRANSPORT_ERRORS as exc:
-        raise Unavailable(
-            "object storage unreachable", operation=operation, cause=f"{type(exc).__name__}: {exc}"
-        ) from exc
+        # The exception's type says what failed; its text names internal endpoints (kept in the log).
+        raise Unavailable("object storage unreachable", operation=operation, cause=type(exc).__name__) from exc
 
 
 def _client_config(*, endpoint_url, max_concurrency, connect_timeout_s, read_timeout_s, max_attempts) -> Config:
@@ -391,29 +390,8 @@ class S3Storage(Storage):
         check_session_id(session_id)
         return StagedUpload(session_id=session_id, offset=0, state={"chunks": []})
 
-    def stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
-        # A fresh name per append, never one derived from the offset alone: the
-        # caller records the new offset by compare-and-set *after* this returns,
-        # so a racing append at the same offset must not overwrite the winner's
-        # object. Unrecorded objects are dropped with the session's prefix.
-        name = f"{staged.offset:016d}-{uuid.uuid4().hex[:16]}"
-        upload = _StreamingUpload(self, self._staging_prefix(staged.session_id) + name, self.part_bytes)
-        written = 0
-        try:
-            for chunk in chunks:
-                if self.max_blob_bytes is not None and staged.offset + written + len(chunk) > self.max_blob_bytes:
-                    raise TooLarge("blob exceeds the store's size limit", limit=self.max_blob_bytes)
-                upload.write(chunk)
-                written += len(chunk)
-            if written == 0:  # nothing to stage; an empty object would only be clutter
-                upload.abort()
-                return StagedUpload(staged.session_id, staged.offset, dict(staged.state))
-            upload.finish()
-        except BaseException:
-            upload.abort()
-            raise
-        chunk_list = [*staged.state.get("chunks", []), [staged.offset, written, name]]
-        return StagedUpload(staged.session_id, staged.offset + written, {**staged.state, "chunks": chunk_list})
+    def stage_writer(self, staged: StagedUpload) -> StageWriter:
+        return S3StageWriter(self, staged)
 
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         # writer() refuses a malformed digest before anything is dropped: that is
@@ -918,6 +896,59 @@ class S3BlobWriter(BlobWriter):
             raise
         self._state = "committed"
         return self._verifier.size
+
+    def abort(self) -> None:
+        if self._state == "open":
+            self._state = "aborted"
+            self._upload.abort()
+
+
+class S3StageWriter(StageWriter):
+    """One append: one new object under the session's staging prefix.
+
+    A fresh name per append, never one derived from the offset alone: the
+    caller records the new offset by compare-and-set *after* ``finish``, so a
+    racing append at the same offset must not overwrite the winner's object.
+    Unrecorded objects are dropped with the session's prefix.
+    """
+
+    def __init__(self, storage: S3Storage, staged: StagedUpload) -> None:
+        self._storage = storage
+        self._staged = staged
+        self._name = f"{staged.offset:016d}-{uuid.uuid4().hex[:16]}"
+        key = storage._staging_prefix(staged.session_id) + self._name
+        self._upload = _StreamingUpload(storage, key, storage.part_bytes)
+        self._written = 0
+        self._state = "open"
+
+    def write(self, chunk: bytes) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"write on a {self._state} stage writer")
+        try:
+            limit = self._storage.max_blob_bytes
+            if limit is not None and self._staged.offset + self._written + len(chunk) > limit:
+                raise TooLarge("blob exceeds the store's size limit", limit=limit)
+            self._upload.write(chunk)
+            self._written += len(chunk)
+        except BaseException:
+            self.abort()
+            raise
+
+    def finish(self) -> StagedUpload:
+        if self._state != "open":
+            raise RuntimeError(f"finish on a {self._state} stage writer")
+        staged = self._staged
+        if self._written == 0:  # nothing to stage; an empty object would only be clutter
+            self.abort()
+            return StagedUpload(staged.session_id, staged.offset, dict(staged.state))
+        try:
+            self._upload.finish()
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "finished"
+        chunk_list = [*staged.state.get("chunks", []), [staged.offset, self._written, self._name]]
+        return StagedUpload(staged.session_id, staged.offset + self._written, {**staged.state, "chunks": chunk_list})
 
     def abort(self) -> None:
         if self._state == "open":
