@@ -293,7 +293,13 @@ class Client:
             answers = self.resolve(family, keys)
         except Unavailable as err:
             return {k: self.cache.read_record(k) or f"{boot.UNAVAILABLE}: {err}" for k in keys}
-        return {a["key"]: a if a.get("status") == "hit" else boot.MISS for a in answers}
+        return {a["key"]: self._with_cached_record(a) if a.get("status") == "hit" else boot.MISS for a in answers}
+
+    def _with_cached_record(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """Reuse the cached full record when it is the one resolved (records are write-once): no GET on a warm boot."""
+        cached = self.cache.read_record(entry["key"]) or {}
+        same = all(cached.get(field) == entry[field] for field in ("repo", "artifact", "components"))
+        return {**entry, "record": cached["record"]} if same and "record" in cached else entry
 
     def _trusted(self, entry: dict[str, Any] | str) -> dict[str, Any] | str:
         """The entry if its receipt verifies (or it carries none), else why it is not trusted."""
