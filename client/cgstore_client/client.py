@@ -44,7 +44,7 @@ from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
 from cgstore_client.lanes import DEFAULT_LANE, resolve_lane
 from cgstore_client.receipts import ReceiptInvalid, ReceiptVerifier, verify_jws_receipt
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
 READ_BYTES = 1 << 20
 #: Blobs at least this large go through a resumable upload session rather than one PUT.
 CHUNKED_THRESHOLD = 64 << 20
