@@ -199,3 +199,41 @@ def test_a_key_holding_other_bytes_is_a_conflict_naming_both(store, published, m
         publish(client, repo, minted, components={DERIVED_COMPONENT: other})
     assert conflict.value.code == "KEY_CONFLICT" and torch.__version__
     assert {"live", "offered"} <= set(conflict.value.detail)
+
+
+def test_a_tampered_cached_record_is_refused_by_its_receipt(store, published, tmp_path):
+    """The cached entry carries a receipt over its key and digests; editing a digest breaks it, offline too."""
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    repo, token, key = published
+    cache = tmp_path / "c"
+    with Client(store.base_url, token, cache_dir=cache) as client:
+        client.load(FAMILY, [key])
+    entry_path = cache / "records" / f"{key}.json"
+    entry = json.loads(entry_path.read_text())
+
+    def b64(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    # The signer stands in for the store's receipt key (the store's /v1/keys JWKS, cached as keys.json).
+    signer = Ed25519PrivateKey.generate()
+    public = signer.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    (cache / "keys.json").write_text(json.dumps({"keys": [{"kty": "OKP", "crv": "Ed25519", "kid": "k1", "x": b64(public)}]}))
+    head = b64(json.dumps({"alg": "EdDSA", "kid": "k1"}).encode())
+    body = b64(json.dumps({"key": key, "artifact": entry["artifact"]["digest"],
+                           "components": {c["name"]: c["digest"] for c in entry["components"]}}).encode())
+    entry["receipt"] = f"{head}.{body}.{b64(signer.sign(f'{head}.{body}'.encode()))}"
+    entry_path.write_text(json.dumps(entry))
+    gone = f"http://127.0.0.1:{free_port()}"
+    with Client(gone, token, cache_dir=cache, offline=True) as offline:
+        (served,) = offline.load(FAMILY, [key])
+        assert isinstance(served, Loaded) and served.receipt == entry["receipt"]
+        entry["artifact"]["digest"] = "blake3:" + "0" * 64  # point the record at other bytes
+        entry_path.write_text(json.dumps(entry))
+        (refused,) = offline.load(FAMILY, [key])
+        assert isinstance(refused, Eager) and refused.reason.startswith("receipt invalid")
+        with pytest.raises(CompiledRequired, match="receipt invalid"):
+            offline.load(FAMILY, [Want(key, mandatory=True)])
