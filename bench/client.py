@@ -70,6 +70,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--artifact-mib", type=int, default=1024, help="artifact size in MiB (default 1024)")
     parser.add_argument("--component-mib", type=int, default=256, help="each component's size in MiB (default 256)")
     parser.add_argument("--reps", type=int, default=2, help="repetitions (default 2)")
+    parser.add_argument("--chunked-threshold-mib", type=int, default=None,
+                        help="blobs from this size go through resumable sessions (default: the client's, 64 MiB)")
     return parser.parse_args()
 
 
@@ -185,7 +187,9 @@ def main() -> None:
                 digests = [hash_file(p)[0] for p in files]
 
                 def ours_publish() -> None:
-                    with Client(stack.base_url, token, cache_dir=scratch / "mint-cache") as client:
+                    threshold = None if args.chunked_threshold_mib is None else args.chunked_threshold_mib * MiB
+                    with Client(stack.base_url, token, cache_dir=scratch / "mint-cache",
+                                chunked_threshold=threshold) as client:
                         published = client.publish(repo, files[0], family=FAMILY, envelope=ENVELOPE,
                                                    toolchain=TOOLCHAIN, sm=sm, components=components)
                     assert published.key == big_key and published.status == "created"

@@ -93,6 +93,7 @@ class Client:
         offline: bool | None = None,
         retry: Retry | None = None,
         receipt_verifier: ReceiptVerifier = verify_jws_receipt,
+        chunked_threshold: int | None = None,
     ) -> None:
         self.url = (url or os.environ.get("CGSTORE_URL") or DEFAULT_URL).rstrip("/")
         self.token = token if token is not None else _token_from_env()
@@ -101,6 +102,7 @@ class Client:
         self.cache.ensure()
         self.retry = retry or Retry()
         self.receipt_verifier = receipt_verifier
+        self.chunked_threshold = CHUNKED_THRESHOLD if chunked_threshold is None else chunked_threshold
         self._transport: Transport | None = None
         self._jwks: dict | None = None
 
@@ -181,12 +183,12 @@ class Client:
         return hashed
 
     def upload_blob(self, repo: str, path: str | os.PathLike[str], *, digest: str | None = None, size: int | None = None) -> str:
-        """Upload one file as a blob of ``repo``; resumable above ``CHUNKED_THRESHOLD``. Returns its digest."""
+        """Upload one file as a blob of ``repo``; resumable from ``chunked_threshold`` bytes. Returns its digest."""
         owner, name = split_repo(repo)
         if digest is None or size is None:
             digest, size = hash_file(path)
         path = str(path)
-        if size < CHUNKED_THRESHOLD:
+        if size < self.chunked_threshold:
             self.transport.request(
                 "PUT",
                 f"/v1/repos/{owner}/{name}/blobs/{digest}",

@@ -224,7 +224,6 @@ def test_uploads_monolithic_and_resumable_session_after_a_drop(store, tmp_path, 
     small, large = tmp_path / "small.bin", tmp_path / "large.bin"
     small.write_bytes(os.urandom(100_000))
     large.write_bytes(os.urandom(5 * 1024 * 1024 + 17))
-    monkeypatch.setattr(client_module, "CHUNKED_THRESHOLD", 1024 * 1024)
     monkeypatch.setattr(client_module, "CHUNK_BYTES", 1024 * 1024)
     proxy = CuttableProxy(int(store.base_url.rsplit(":", 1)[1]))
     sent_chunks: list[int] = []
@@ -240,7 +239,8 @@ def test_uploads_monolithic_and_resumable_session_after_a_drop(store, tmp_path, 
 
     monkeypatch.setattr(client_module, "file_chunks", chunks_cut_once)
     try:
-        with Client(f"http://127.0.0.1:{proxy.port}", token, cache_dir=tmp_path / "cache", retry=FAST) as client:
+        with Client(f"http://127.0.0.1:{proxy.port}", token, cache_dir=tmp_path / "cache", retry=FAST,
+                    chunked_threshold=1024 * 1024) as client:
             hashed = client.push_blobs(repo, [small, large])
             assert client.missing(repo, [d for d, _ in hashed.values()]) == []
             assert client.push_blobs(repo, [small, large]) == hashed  # nothing left to send
