@@ -154,7 +154,7 @@ def main() -> None:
         log(f"local path to a first compiled call (export + compile + load + bind + call): {compile_s:.1f}s")
         big_program = torch.export.export(TwoWeights(side), (torch.randn(1, side),))
         package_compiled_graph(big_program, scratch / "big.pt2")
-        big_key = ck1(graph_digest_from_program(big_program), ENVELOPE, sm, TOOLCHAIN)
+        big_graph = graph_digest_from_program(big_program)
 
         with production_stack(redirect_downloads=True, reaper_interval_s=3600) as stack:
             token = stack.mint("bench", f"{OWNER}/*:read,write")
@@ -180,6 +180,9 @@ def main() -> None:
             results: dict[str, list[float]] = {k: [] for k in ("publish", "boto_up", "cold", "boto_down", "warm", "hash")}
             for rep in range(args.reps):
                 repo = f"{OWNER}/big-{rep}"
+                # One key per repetition (its envelope differs): each resolves to its own fresh blobs.
+                envelope = {**ENVELOPE, "batch_sizes": [rep + 1]}
+                big_key = ck1(big_graph, envelope, sm, TOOLCHAIN)
                 padded_archive(scratch / "big.pt2", scratch / "artifact.pt2", artifact_size)
                 components = fresh_components(side, scratch)
                 files = [scratch / "artifact.pt2", *components.values()]
@@ -190,7 +193,7 @@ def main() -> None:
                     threshold = None if args.chunked_threshold_mib is None else args.chunked_threshold_mib * MiB
                     with Client(stack.base_url, token, cache_dir=scratch / "mint-cache",
                                 chunked_threshold=threshold) as client:
-                        published = client.publish(repo, files[0], family=FAMILY, envelope=ENVELOPE,
+                        published = client.publish(repo, files[0], family=FAMILY, envelope=envelope,
                                                    toolchain=TOOLCHAIN, sm=sm, components=components)
                     assert published.key == big_key and published.status == "created"
 
