@@ -10,7 +10,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from cgstore.core.models import Base
+from cgstore.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -12,16 +12,21 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from cgstore import __version__
+from cgstore.audit.denials import DenialLog, audit_denial
+from cgstore.audit.router import router as audit_router
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.router import router as blobs_router
-from cgstore.core.context import StoreContext
+from cgstore.context import StoreContext
 from cgstore.core.db import Database
 from cgstore.core.http import install_error_handlers
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.core.private import private_dir
 from cgstore.health.router import router as health_router
+from cgstore.owners.router import router as owners_router
+from cgstore.repos.router import router as repos_router
 from cgstore.settings import Settings
 from cgstore.storage import open_storage
+from cgstore.tokens.router import router as tokens_router
 from cgstore.tokens.service import TokenService
 
 log = logging.getLogger(__name__)
@@ -36,6 +41,7 @@ def build_context(settings: Settings) -> StoreContext:
         storage=open_storage(settings),
         tokens=TokenService(db, settings),
         metrics=Metrics(),
+        denials=DenialLog(db, settings.audit_interval_s, settings.audit_max_sources),
     )
     ctx.metrics.watch_upload_sessions(lambda: _open_sessions_or_nan(ctx))
     return ctx
@@ -60,6 +66,14 @@ async def _reap_forever(ctx: StoreContext) -> None:
             log.exception("upload session reaper failed")
 
 
+async def _flush_denials(ctx: StoreContext) -> None:
+    """The last 401s counted before shutdown go to the audit log too."""
+    try:
+        await run_in_threadpool(ctx.denials.flush)
+    except Exception:  # the database is gone at shutdown: say how many were lost
+        log.exception("could not write %d counted 401s to the audit log", ctx.denials.pending)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     ctx = build_context(settings)
@@ -68,19 +82,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The pool every database and storage call runs in (per event loop).
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
-        reaper = asyncio.create_task(_reap_forever(ctx))
+        tasks = [asyncio.create_task(_reap_forever(ctx)), asyncio.create_task(ctx.denials.flush_forever())]
         try:
             yield
         finally:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await _flush_denials(ctx)
             ctx.db.dispose()
 
     app = FastAPI(title="cgstore", version=__version__, lifespan=lifespan)
     app.state.context = ctx
-    install_error_handlers(app)
+    install_error_handlers(app, on_denial=audit_denial)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
-    app.include_router(health_router)
-    app.include_router(blobs_router)
+    # Each router carries its prefix: with FastAPI 0.165 a prefix given here would
+    # leave route.path relative, and metrics and the audit label requests by it.
+    for router in (health_router, tokens_router, owners_router, repos_router, blobs_router, audit_router):
+        app.include_router(router)
     return app

@@ -1,4 +1,10 @@
-"""The ``cgstore`` command: serve, migrate, mint tokens, reclaim abandoned uploads."""
+"""The ``cgstore`` command: serve, migrate, tokens and the key ring, reclaim abandoned uploads, read the audit log.
+
+The token and key commands work on the database directly (an operator on the
+store's host); every change they make is audited with actor ``cli``, in the
+same transaction. They never print a private key, and print a token only when
+they mint it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from cgstore.audit.cli import audit_command
 from cgstore.core.errors import StoreError
 from cgstore.core.private import UMASK, private_dir
 from cgstore.settings import Settings
@@ -16,9 +23,13 @@ from cgstore.settings import Settings
 app = typer.Typer(help="cgstore: the registry for PyTorch compiled graphs.", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 token_app = typer.Typer(help="Cap-tokens.", no_args_is_help=True)
+keys_app = typer.Typer(help="The signing-key ring: rotate, retire, list.", no_args_is_help=True)
+principal_app = typer.Typer(help="Principals: platform or tenant.", no_args_is_help=True)
 uploads_app = typer.Typer(help="Resumable upload sessions.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(token_app, name="token")
+app.add_typer(keys_app, name="keys")
+app.add_typer(principal_app, name="principal")
 app.add_typer(uploads_app, name="uploads")
 
 @app.callback()
@@ -79,14 +90,8 @@ def db_upgrade(revision: str = "head") -> None:
     typer.echo(f"database at {revision}")
 
 
-@token_app.command("mint")
-def token_mint(
-    sub: Annotated[str, typer.Option(help="The principal the token speaks for.")],
-    grant: Annotated[list[str], typer.Option(help="'owner/glob:action,action' (repeatable).")],
-    ttl: Annotated[str, typer.Option(help="Lifetime: 90s, 15m, 1h, 7d.")] = "1h",
-    platform: Annotated[bool, typer.Option(help="A platform token; registers SUB as a platform principal.")] = False,
-) -> None:
-    """Print a token signed with the configured key."""
+def _token_service():
+    """A token service on the configured database (an embedded SQLite one is migrated first)."""
     from cgstore.core import migrate as migrations
     from cgstore.core.db import Database
     from cgstore.tokens.service import TokenService
@@ -95,12 +100,103 @@ def token_mint(
     url = settings.resolved_database_url
     if url.startswith("sqlite"):
         migrations.upgrade(url)
+    return TokenService(Database(url), settings)
+
+
+def _fail(err: StoreError) -> typer.Exit:
+    typer.echo(f"error: {err.code}: {err.message}", err=True)
+    return typer.Exit(2)
+
+
+@token_app.command("mint")
+def token_mint(
+    sub: Annotated[str, typer.Option(help="The principal the token speaks for.")],
+    grant: Annotated[list[str], typer.Option(help="'owner/glob:action,action' (repeatable).")],
+    ttl: Annotated[str, typer.Option(help="Lifetime: 90s, 15m, 1h, 7d.")] = "1h",
+    platform: Annotated[bool, typer.Option(help="A platform token; registers SUB as a platform principal.")] = False,
+) -> None:
+    """Print a token signed with the ring's current key."""
     try:
-        minted = TokenService(Database(url), settings).mint(sub, grant, parse_duration(ttl), platform=platform)
+        minted = _token_service().mint(sub, grant, parse_duration(ttl), platform=platform)
     except StoreError as err:
-        typer.echo(f"error: {err.code}: {err.message}", err=True)
-        raise typer.Exit(2) from None
+        raise _fail(err) from None
     typer.echo(minted.token)
+
+
+@token_app.command("list")
+def token_list(sub: Annotated[str | None, typer.Option(help="Only this principal's tokens.")] = None) -> None:
+    """Every recorded token: jti, sub, status, expiry, parent, grants (never the token)."""
+    for info in _token_service().list_tokens(sub):
+        grants = " ".join(f"{g['repo']}:{','.join(g['actions'])}" for g in info.grants)
+        typer.echo(
+            f"{info.jti}  {info.sub}  {info.status}  exp={info.expires_at.isoformat()}  "
+            f"parent={info.parent_jti or '-'}  plt={str(info.platform).lower()}  {grants}"
+        )
+
+
+@token_app.command("revoke")
+def token_revoke(jti: str) -> None:
+    """Revoke JTI and every token attenuated from it."""
+    try:
+        count = _token_service().revoke(jti)
+    except StoreError as err:
+        raise _fail(err) from None
+    typer.echo(f"revoked {count} tokens")
+
+
+@principal_app.command("set")
+def principal_set(
+    name: str,
+    platform: Annotated[bool, typer.Option("--platform/--tenant", help="Register as platform, or demote to tenant.")],
+) -> None:
+    """Register NAME as a platform principal, or demote it to a tenant (root writes stop at once)."""
+    from cgstore.owners.service import register_principal
+
+    service = _token_service()
+    try:
+        register_principal(service.db, name, platform)
+    except StoreError as err:
+        raise _fail(err) from None
+    typer.echo(f"{name}: {'platform' if platform else 'tenant'}")
+
+
+@keys_app.command("rotate")
+def keys_rotate() -> None:
+    """Add a new signing key (it signs from now on); older keys keep verifying until retired."""
+    from cgstore.audit.service import record
+
+    service = _token_service()
+    with service.db.session() as session:
+        kid = service.keys.rotate(session)
+        record(session, actor="cli", jti=None, action="key.rotate", target=kid)
+    typer.echo(kid)
+
+
+@keys_app.command("retire")
+def keys_retire(kid: str) -> None:
+    """Stop accepting KID: every token it signed answers 401 from the next request on."""
+    from cgstore.audit.service import record
+
+    service = _token_service()
+    try:
+        with service.db.session() as session:
+            changed = service.keys.retire(session, kid)
+            if changed:
+                record(session, actor="cli", jti=None, action="key.retire", target=kid)
+    except StoreError as err:
+        raise _fail(err) from None
+    typer.echo(f"retired {kid}" if changed else f"{kid} was already retired")
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """The ring: kid, created, retired, and whether this host holds its private half."""
+    service = _token_service()
+    with service.db.session() as session:
+        keys = service.keys.list_keys(session)
+    for key in keys:
+        retired = key.retired_at.isoformat() if key.retired_at else "-"
+        typer.echo(f"{key.kid}  created={key.created_at.isoformat()}  retired={retired}  signs_here={key.signs_here}")
 
 
 @uploads_app.command("reap")
@@ -110,6 +206,9 @@ def uploads_reap() -> None:
     from cgstore.blobs.service import reap_expired_sessions
 
     typer.echo(f"reaped {reap_expired_sessions(build_context(Settings()))} sessions")
+
+
+app.command("audit")(audit_command(parse_duration))
 
 
 if __name__ == "__main__":

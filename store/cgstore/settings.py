@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1 << 20
@@ -39,9 +39,10 @@ class Settings(BaseSettings):
     token_signing_key: Path | None = Field(
         None, description="Ed25519 private key (PEM); default CGSTORE_HOME/token-signing-key.pem, generated once."
     )
-    token_verify_keys: list[Path] = Field(
-        default_factory=list,
-        description="Extra Ed25519 public keys (PEM) accepted when verifying, for key rotation.",
+    token_keys_dir: Path | None = Field(
+        None,
+        description="Directory of the private keys `cgstore keys rotate` adds (<kid>.pem, 0600); "
+        "default CGSTORE_HOME/keys.",
     )
     token_issuer: str = "cgstore"
     redirect_downloads: bool = Field(True, description="Answer blob GETs on S3 with 307 to a presigned URL.")
@@ -52,6 +53,12 @@ class Settings(BaseSettings):
     reaper_interval_s: float = Field(60.0, gt=0, description="How often expired upload sessions are reclaimed.")
     s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="Multipart part size for S3 writes.")
     s3_max_concurrency: int = Field(4, ge=1, le=64, description="Parts uploaded in parallel per S3 write.")
+    audit_interval_s: float = Field(
+        10.0, gt=0, le=3600, description="Repeated 401s per source are written as one audit row per interval."
+    )
+    audit_max_sources: int = Field(
+        10_000, ge=1, description="Distinct 401 sources kept per interval; more are counted under source '*'."
+    )
     body_idle_timeout_s: float = Field(
         30.0, gt=0, description="A request body that sends nothing for this long is answered 408."
     )
@@ -68,13 +75,6 @@ class Settings(BaseSettings):
     )
     log_level: str = "info"
 
-    @field_validator("token_verify_keys", mode="before")
-    @classmethod
-    def _split_paths(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [p for p in value.split(",") if p.strip()]
-        return value
-
     @cached_property
     def resolved_database_url(self) -> str:
         if self.database_url:
@@ -90,6 +90,10 @@ class Settings(BaseSettings):
     @cached_property
     def signing_key_path(self) -> Path:
         return self.token_signing_key or self.home / "token-signing-key.pem"
+
+    @cached_property
+    def keys_dir(self) -> Path:
+        return self.token_keys_dir or self.home / "keys"
 
     @property
     def storage_is_s3(self) -> bool:

@@ -141,7 +141,8 @@ def test_ranged_reads_over_http_follow_the_grammar(make_store, configuration):
         @given(case=range_cases, size=st.sampled_from(BLOB_SIZES))
         def check(case, size):
             data = blobs[size]
-            answer = client.get(f"/v1/repos/acme/{name}/blobs/{digest_of(data)}", headers={"Range": case.header.encode("latin-1")})
+            url = f"/v1/repos/acme/{name}/blobs/{digest_of(data)}"
+            answer = client.get(url, headers={"Range": case.header.encode("latin-1")})
             want = expected(case, size)
             if want == WHOLE:
                 assert answer.status_code == 200 and answer.content == data

@@ -183,3 +183,19 @@ def test_headers_sent_too_slowly_are_408_and_closed(make_store):
         assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
         assert _error_code(answer) == "REQUEST_TIMEOUT"
     assert time.monotonic() - started < 4
+
+
+def test_connections_over_the_limit_are_a_json_503(make_store):
+    live = make_store("embedded", max_connections=3)
+    held = [socket.create_connection(_address(live)) for _ in range(3)]  # connected, sending nothing
+    try:
+        sock = socket.create_connection(_address(live))
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: store\r\n\r\n")
+        answer = _read_answer(sock, timeout_s=5)
+        sock.close()
+    finally:
+        for sock in held:
+            sock.close()
+    assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
+    assert _error_code(answer) == "UNAVAILABLE"
+    assert b"\r\nRetry-After: " in answer

@@ -8,7 +8,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
 from cgstore.core import migrate
-from cgstore.core.models import Base
+from cgstore.models import Base
 from tests.support import services
 
 

@@ -82,6 +82,8 @@ def test_db_upgrade_migrates_an_external_database_and_serve_refuses_a_stale_one(
 def test_token_mint_platform_registers_the_principal(tmp_path):
     from cgstore.core.db import Database
     from cgstore.settings import Settings
+    from cgstore.owners.service import is_platform_principal
+    from cgstore.repos.service import write_decision
     from cgstore.tokens.service import TokenService
 
     env = {**os.environ, "CGSTORE_HOME": str(tmp_path)}
@@ -93,5 +95,7 @@ def test_token_mint_platform_registers_the_principal(tmp_path):
     service = TokenService(Database(settings.resolved_database_url), settings)
     claims = service.verify(token)
     assert claims.plt and claims.sub == "platform-ci"
-    assert service.is_platform_principal("platform-ci")
-    service.can_write(claims, "root", "family-flux")  # raises unless the root gate opens
+    with service.db.session() as session:
+        assert is_platform_principal(session, "platform-ci")
+    with service.db.session() as session:  # raises unless the root gate opens
+        write_decision(session, claims, "root", "family-flux").enforce()

@@ -1,15 +1,122 @@
-"""Appending to the audit log. Every mutation and every denial goes through ``record``."""
+"""Appending to the audit log and reading it back. Every mutation and every denial goes through here.
+
+Writing: ``record`` adds one entry to the *caller's* session, so the entry
+commits or rolls back with the mutation it records (a publish, a mount, a
+token mint...). ``record_denial`` writes a refusal in its own transaction,
+because the refused request's own work is rolled back. Repeated 401s are
+not written one by one: ``audit.denials`` aggregates them.
+
+Every string is stored through ``clean``: backslashes, control characters
+(NUL included) and lone surrogates are escaped (``\\x00``, ``\\ud800``), and
+the result is cut to its column's bound with a marker. PostgreSQL refuses NUL
+in text and surrogates in UTF-8, so without this a hostile path would make the
+insert fail and the denial would go unrecorded.
+
+Reading: ``list_events`` filters on the indexed columns and pages by id (keyset).
+There is deliberately no update or delete here (the migration adds triggers
+that refuse them too).
+"""
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry, AuditPage
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from cgstore.audit.models import AuditEvent
+from cgstore.access import is_admin
+from cgstore.audit.models import (
+    ACTION_LEN,
+    ACTOR_LEN,
+    JTI_LEN,
+    OUTCOME_LEN,
+    REPO_LEN,
+    SOURCE_LEN,
+    TARGET_LEN,
+    AuditEvent,
+)
+from cgstore.core.db import Database, utcnow
+from cgstore.core.errors import BadRequest
+from cgstore.tokens.claims import Claims
 
 log = logging.getLogger(__name__)
+
+# Bounds of what goes into ``detail``: a hostile request cannot grow a row.
+DETAIL_STRING_LEN = 512
+DETAIL_KEY_LEN = 200
+DETAIL_ITEMS = 32
+DETAIL_DEPTH = 4
+DETAIL_JSON_BYTES = 8 * 1024
+
+DEFAULT_PAGE = 100
+
+_NEEDS_ESCAPE = re.compile("[\\\\\x00-\x1f\x7f-\U0010ffff]")
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    if char == "\\":
+        return "\\\\"
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte, as ``surrogateescape`` carries it
+        return f"\\x{code - 0xDC00:02x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def clean(value: object, limit: int) -> str:
+    """``value`` as text any database stores: escaped, and at most ``limit`` characters.
+
+    Non-ASCII becomes ``\\uNNNN`` (a homoglyph never passes for ASCII), bytes that are
+    not UTF-8 ``\\xNN``; a value cut short ends with
+    ``…[cut from N chars]`` so a reader knows it was.
+    """
+    text = value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+    # Escaping never shortens, so escaping a prefix of ``limit`` characters suffices.
+    escaped = _NEEDS_ESCAPE.sub(_escape_char, text[: limit + 1])
+    if len(escaped) <= limit and len(text) <= limit:
+        return escaped
+    marker = f"…[cut from {len(text)} chars]"
+    return escaped[: max(limit - len(marker), 0)] + marker
+
+
+def clean_optional(value: object | None, limit: int) -> str | None:
+    return None if value is None else clean(value, limit)
+
+
+def clean_detail(detail: dict[str, Any] | None) -> dict[str, Any]:
+    """``detail`` with every string cleaned, containers bounded, and non-JSON values made text."""
+    cleaned = _clean_value(detail or {}, DETAIL_DEPTH)
+    if not isinstance(cleaned, dict):
+        cleaned = {"value": cleaned}
+    dumped = json.dumps(cleaned, ensure_ascii=False)
+    if len(dumped.encode()) > DETAIL_JSON_BYTES:
+        return {"cut": True, "preview": clean(dumped, DETAIL_STRING_LEN)}
+    return cleaned
+
+
+def _clean_value(value: object, depth: int) -> object:
+    if value is None or isinstance(value, bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)  # JSON has no NaN or Infinity
+    if depth <= 0:
+        return clean(value, DETAIL_STRING_LEN)
+    if isinstance(value, dict):
+        items = list(value.items())[:DETAIL_ITEMS]
+        return {clean(k, DETAIL_KEY_LEN): _clean_value(v, depth - 1) for k, v in items}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_clean_value(v, depth - 1) for v in list(value)[:DETAIL_ITEMS]]
+    return clean(value, DETAIL_STRING_LEN)
 
 
 def record(
@@ -21,14 +128,33 @@ def record(
     target: str,
     outcome: str = "ok",
     detail: dict[str, Any] | None = None,
+    repo: str | None = None,
+    source: str | None = None,
+    count: int = 1,
+    at: dt.datetime | None = None,
 ) -> None:
-    """Add one entry to the caller's unit of work (committed with it)."""
+    """Add one entry to the caller's unit of work: it commits (or rolls back) with the mutation.
+
+    ``repo`` is the ``owner/repo`` the entry concerns (what ``GET /v1/audit?repo=``
+    matches); ``source`` the client address; ``count`` > 1 only for aggregates.
+    """
     session.add(
-        AuditEvent(actor=actor[:200], jti=jti, action=action, target=target[:300], outcome=outcome, detail=detail or {})
+        AuditEvent(
+            at=at or utcnow(),
+            actor=clean(actor, ACTOR_LEN),
+            jti=clean_optional(jti, JTI_LEN),
+            action=clean(action, ACTION_LEN),
+            target=clean(target, TARGET_LEN),
+            repo=clean_optional(repo, REPO_LEN),
+            outcome=clean(outcome, OUTCOME_LEN),
+            source=clean_optional(source, SOURCE_LEN),
+            count=count,
+            detail=clean_detail(detail),
+        )
     )
 
 
-def record_denial(db, **fields: Any) -> None:
+def record_denial(db: Database, **fields: Any) -> None:
     """Record a refusal in its own transaction: the refused request's work is rolled back.
 
     A denial that cannot be audited (database down) is logged instead; the
@@ -39,3 +165,101 @@ def record_denial(db, **fields: Any) -> None:
             record(session, **fields)
     except Exception:  # the caller is already answering with an error; don't mask it
         log.exception("could not audit denial %s", fields)
+
+
+# -- reading ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AuditFilter:
+    """What ``GET /v1/audit`` and ``cgstore audit`` select. ``None`` means "any".
+
+    ``action`` ending in ``*`` matches by prefix (``token.*``); every other
+    filter matches exactly, compared in the stored (cleaned) form.
+    """
+
+    actor: str | None = None
+    jti: str | None = None
+    repo: str | None = None
+    action: str | None = None
+    outcome: str | None = None
+    source: str | None = None
+    since: dt.datetime | None = None
+    until: dt.datetime | None = None
+
+
+def list_events(
+    session: Session,
+    where: AuditFilter,
+    *,
+    after: int | None = None,
+    limit: int = DEFAULT_PAGE,
+    newest_first: bool = False,
+) -> tuple[Sequence[AuditEvent], int | None]:
+    """One page of entries ordered by id, after the keyset cursor ``after``; and the next cursor.
+
+    The next cursor is the last id of the page when the page is full (there may
+    be more), else ``None``.
+    """
+    limit = max(1, min(limit, MAX_AUDIT_PAGE))
+    query = select(AuditEvent)
+    for column, value, bound in (
+        (AuditEvent.actor, where.actor, ACTOR_LEN),
+        (AuditEvent.jti, where.jti, JTI_LEN),
+        (AuditEvent.repo, where.repo, REPO_LEN),
+        (AuditEvent.outcome, where.outcome, OUTCOME_LEN),
+        (AuditEvent.source, where.source, SOURCE_LEN),
+    ):
+        if value is not None:
+            query = query.where(column == clean(value, bound))
+    if where.action is not None:
+        if where.action.endswith("*"):
+            query = query.where(AuditEvent.action.startswith(clean(where.action[:-1], ACTION_LEN), autoescape=True))
+        else:
+            query = query.where(AuditEvent.action == clean(where.action, ACTION_LEN))
+    if where.since is not None:
+        query = query.where(AuditEvent.at >= where.since)
+    if where.until is not None:
+        query = query.where(AuditEvent.at < where.until)
+    if after is not None:
+        query = query.where(AuditEvent.id < after if newest_first else AuditEvent.id > after)
+    query = query.order_by(AuditEvent.id.desc() if newest_first else AuditEvent.id).limit(limit)
+    events = session.scalars(query).all()
+    return events, (events[-1].id if len(events) == limit else None)
+
+
+def parse_cursor(cursor: str | None) -> int | None:
+    """The id a ``next_cursor`` names; anything else is ``BAD_REQUEST``."""
+    if cursor is None:
+        return None
+    if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 19):
+        raise BadRequest("cursor is not one this store handed out", cursor=cursor[:32])
+    return int(cursor)
+
+
+def read_page(
+    db: Database, claims: Claims, where: AuditFilter, cursor: str | None, limit: int, newest_first: bool = False
+) -> AuditPage:
+    """``GET /v1/audit``: one page for an admin."""
+    is_admin(claims).enforce()
+    after = parse_cursor(cursor)
+    with db.session() as session:
+        events, next_id = list_events(session, where, after=after, limit=limit, newest_first=newest_first)
+        entries = [to_entry(event) for event in events]
+    return AuditPage(entries=entries, next_cursor=None if next_id is None else str(next_id))
+
+
+def to_entry(event: AuditEvent) -> AuditEntry:
+    return AuditEntry(
+        id=event.id,
+        at=event.at,
+        actor=event.actor,
+        jti=event.jti,
+        action=event.action,
+        target=event.target,
+        repo=event.repo,
+        outcome=event.outcome,
+        source=event.source,
+        count=event.count,
+        detail=event.detail,
+    )

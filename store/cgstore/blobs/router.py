@@ -8,10 +8,10 @@ from starlette.concurrency import run_in_threadpool
 
 from cgstore.blobs import service
 from cgstore.blobs.schemas import MissingAnswer, MissingQuery
-from cgstore.core.auth import require_claims
-from cgstore.core.context import StoreContext, get_context
+from cgstore.context import StoreContext, get_context
 from cgstore.core.http import declared_length, feed_body, parse_content_range, parse_range, read_json
-from cgstore.tokens.service import Claims
+from cgstore.tokens.claims import Claims
+from cgstore.tokens.dependencies import require_claims
 
 router = APIRouter(prefix="/v1/repos/{owner}/{repo}", tags=["blobs"])
 

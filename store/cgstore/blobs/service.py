@@ -29,7 +29,7 @@ from sqlalchemy import delete, func, select, update
 
 from cgstore.audit.service import record
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
-from cgstore.core.context import StoreContext
+from cgstore.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
 from cgstore.core.http import BodyConsumer
 from cgstore.core.errors import (
@@ -45,7 +45,7 @@ from cgstore.repos.models import Repo
 from cgstore.repos.service import readable_repo, writable_repo
 from cgstore.storage import StagedUpload
 from cgstore.storage.hashing import VerifyOnlyWriter
-from cgstore.tokens.service import Claims
+from cgstore.tokens.claims import Claims
 
 MAX_MISSING_QUERY = 1024
 
@@ -69,7 +69,7 @@ def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str
     validate_digest(digest)
     with ctx.db.session() as session:
         found = readable_repo(
-            session, ctx.tokens, claims, owner, repo, BlobUnknown, "blob unknown to this repo", digest=digest
+            session, claims, owner, repo, BlobUnknown, "blob unknown to this repo", digest=digest
         )
         size = session.scalar(
             select(Blob.size)
@@ -99,7 +99,7 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
     for digest in digests:
         validate_digest(digest)
     with ctx.db.session() as session:
-        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        target = writable_repo(session, claims, owner, repo)
         linked = set(
             session.scalars(
                 select(RepoBlob.digest).where(RepoBlob.repo_id == target.id, RepoBlob.digest.in_(set(digests)))
@@ -122,7 +122,7 @@ def upload(
     validate_digest(digest)
     _check_size_limit(ctx, declared_size)
     with ctx.db.session() as session:
-        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        target = writable_repo(session, claims, owner, repo)
         already_stored = session.get(Blob, digest) is not None
     # The writer checks size (as soon as too many bytes arrive), the store's limit and the digest.
     if already_stored:
@@ -155,6 +155,7 @@ def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: in
             jti=claims.jti,
             action=action,
             target=f"{target.owner}/{target.name}@{digest}",
+            repo=f"{target.owner}/{target.name}",
             detail={"size": size, "new_link": linked, **detail},
         )
 
@@ -166,7 +167,7 @@ def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str,
     validate_digest(digest)
     source_owner, _, source_repo = source.partition("/")
     with ctx.db.session() as session:
-        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        target = writable_repo(session, claims, owner, repo)
     location = locate(ctx, claims, source_owner, source_repo, digest)
     _link(ctx, claims, target, digest, location.size, action="blob.mount", source=source)
     return location.size
@@ -180,7 +181,7 @@ def _expiry(ctx: StoreContext) -> dt.datetime:
 
 def open_session(ctx: StoreContext, claims: Claims, owner: str, repo: str) -> str:
     with ctx.db.session() as session:
-        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        target = writable_repo(session, claims, owner, repo)
     session_id = uuid.uuid4().hex
     staged = ctx.storage.stage_begin(session_id)
     with ctx.db.session() as session:
@@ -201,7 +202,7 @@ def open_session(ctx: StoreContext, claims: Claims, owner: str, repo: str) -> st
 def _find_session(ctx: StoreContext, claims: Claims, owner: str, repo: str, session_id: str) -> UploadSession:
     """The caller's own live session in this repo; anything else is ``BLOB_UPLOAD_UNKNOWN``."""
     with ctx.db.session() as session:
-        target = writable_repo(session, ctx.tokens, claims, owner, repo)
+        target = writable_repo(session, claims, owner, repo)
         found = session.get(UploadSession, session_id) if len(session_id) <= 64 else None
     if found is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():
         raise BlobUploadUnknown("no such upload session", session=session_id[:64])

@@ -142,5 +142,8 @@ def insert_ignoring_conflicts(session: Session, model: type[Base], **values) -> 
         from sqlalchemy.dialects.postgresql import insert
     else:
         from sqlalchemy.dialects.sqlite import insert
-    result = session.execute(insert(model).values(**values).on_conflict_do_nothing())
-    return bool(result.rowcount)
+    # RETURNING, not rowcount: psycopg reports rowcount 1 for an INSERT that
+    # ON CONFLICT DO NOTHING skipped; a returned row is the only reliable answer.
+    key = next(iter(model.__table__.primary_key.columns))
+    result = session.execute(insert(model).values(**values).on_conflict_do_nothing().returning(key))
+    return result.first() is not None

@@ -4,7 +4,8 @@
 responses: ``StoreError`` subclasses carry their protocol code and status;
 database and storage outages become 503 ``UNAVAILABLE`` with ``Retry-After``;
 request validation failures become 400 with the protocol's error body. Refusals
-(401, 403, and 404s that hide a denial) are audited here.
+(401, 403, and 404s that hide a denial) are handed to the ``on_denial`` hook the
+app installs (the audit feature's), so ``core`` imports no feature.
 
 Request bodies are read here too, always on the event loop (``feed_body``):
 a client that stalls mid-body costs a connection and at most one batch of
@@ -17,7 +18,7 @@ import inspect
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
 import anyio
@@ -30,7 +31,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cgstore.audit.service import record_denial
 from cgstore.core.errors import (
     BadRequest,
     RangeInvalid,
@@ -45,6 +45,8 @@ from cgstore.core.errors import (
 log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
 T = TypeVar("T")
+#: Called with every refusal before it is answered (the app registers the audit here).
+DenialHook = Callable[[Request, StoreError], Awaitable[None]]
 
 _HTTP_CODES = {404: "NAME_UNKNOWN", 405: "UNSUPPORTED", 413: "TOO_LARGE"}
 
@@ -57,28 +59,13 @@ def _is_denial(err: StoreError) -> bool:
     return err.status in (401, 403) or err.hides_denial
 
 
-async def _audit_denial(request: Request, err: StoreError) -> None:
-    claims = getattr(request.state, "claims", None)
-    context = getattr(request.app.state, "context", None)
-    if context is None:
-        return
-    await run_in_threadpool(
-        record_denial,
-        context.db,
-        actor=claims.sub if claims else "-",
-        jti=claims.jti if claims else None,
-        action=f"{request.method} {getattr(request.scope.get('route'), 'path', request.url.path)}",
-        target=request.url.path,
-        outcome=err.code,
-        detail={"message": err.message},
-    )
+def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) -> None:
+    """Map every error to the protocol's body; refusals also go to ``on_denial`` (the audit)."""
 
-
-def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StoreError)
     async def store_error(request: Request, err: StoreError) -> JSONResponse:
-        if _is_denial(err):
-            await _audit_denial(request, err)
+        if on_denial is not None and _is_denial(err):
+            await on_denial(request, err)
         if isinstance(err, Unavailable):
             # The cause (paths, endpoints) is for the operator's log, never the client's body.
             log.warning("unavailable: %s (%s)", err.message, err.__cause__)

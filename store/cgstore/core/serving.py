@@ -8,8 +8,9 @@ test harness take uvicorn's options from, so tests run what production runs.
 
 Answers given here, before the app sees a request, still use the protocol's
 JSON error body: 431 ``TOO_LARGE`` for oversized headers, 408
-``REQUEST_TIMEOUT`` for headers not received in time, 400 ``BAD_REQUEST`` for
-a request that is not HTTP; each closes the connection.
+``REQUEST_TIMEOUT`` for headers not received in time, 503 ``UNAVAILABLE`` over
+the connection limit, 400 ``BAD_REQUEST`` for a request that is not HTTP; each
+closes the connection.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from cgstore.core.errors import BadRequest, HeadersTooLarge, RequestTimeout, StoreError, error_body
+from cgstore.core.errors import BadRequest, HeadersTooLarge, RequestTimeout, StoreError, Unavailable, error_body
 from cgstore.settings import Settings
 
 
@@ -57,6 +58,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
+        if self.limit_concurrency is not None and (
+            len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency
+        ):
+            # uvicorn's own answer to this (``limit_concurrency``) is plain text.
+            self._answer_and_close(Unavailable("the store is serving all the connections it may; retry later"))
+            return
         super().on_headers_complete()
 
     def _arm_header_timer(self) -> None:
@@ -98,12 +105,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _answer_and_close(self, err: StoreError) -> None:
         self._disarm_header_timer()
+        if self.transport.is_closing():  # already answered; the parser may still call back
+            return
         body = json.dumps(error_body(err)).encode()
         head = [
             f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}",
             "content-type: application/json",
             f"content-length: {len(body)}",
             "connection: close",
+            *(f"{name}: {value}" for name, value in err.headers().items()),
         ]
         self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body)
         self.transport.close()

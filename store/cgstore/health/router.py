@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from cgstore.core.context import StoreContext, get_context
+from cgstore.context import StoreContext, get_context
 from cgstore.core.errors import Unavailable
 from cgstore.health import service
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from cgstore.core.context import StoreContext
+from cgstore.context import StoreContext
 
 log = logging.getLogger(__name__)
 

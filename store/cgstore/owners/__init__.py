@@ -1,0 +1,1 @@
+"""Principals (platform or tenant) and the owner slugs they hold."""

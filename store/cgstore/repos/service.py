@@ -1,21 +1,37 @@
-"""Finding repos for reading and writing, with the access rules applied.
+"""Repos: finding them for reading and writing, creating them, changing their visibility.
 
-Reads of a repo the caller may not read look exactly like reads of a repo that
-does not exist (the caller gets None, and raises the same miss either way).
-Writes check the token's grant and the root gate, and create the repo on the
-first write.
+The access rules are ``cgstore.access``'s; this module gathers the facts they
+need (the owner's holder, the caller's platform registration) and enforces the
+answer. Reads of a repo the caller may not read look exactly like reads of a
+repo that does not exist (the same miss either way). Writes create the repo
+(visibility ``owner``) on the first write, audited as ``repo.create``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from cgstore.core.db import insert_ignoring_conflicts, utcnow
-from cgstore.core.errors import StoreError, hidden_miss
-from cgstore.core.names import validate_owner, validate_repo
-from cgstore.repos.models import Repo
-from cgstore.tokens.service import Claims, TokenService
+from cgstore import access
+from cgstore.audit.service import record
+from cgstore.core.db import Database, insert_ignoring_conflicts, utcnow
+from cgstore.core.errors import BadRequest, StoreError, hidden_miss
+from cgstore.core.names import is_reserved_owner, validate_owner, validate_repo
+from cgstore.owners.service import holder, is_platform_principal
+from cgstore.repos.models import VISIBILITIES, Repo
+from cgstore.tokens.claims import Claims
+
+
+@dataclass(frozen=True)
+class RepoInfo:
+    owner: str
+    name: str
+    visibility: str
+    created_by: str
+    created_at: object
+    created: bool
 
 
 def find_repo(session: Session, owner: str, name: str) -> Repo | None:
@@ -24,7 +40,6 @@ def find_repo(session: Session, owner: str, name: str) -> Repo | None:
 
 def readable_repo(
     session: Session,
-    tokens: TokenService,
     claims: Claims,
     owner: str,
     name: str,
@@ -39,7 +54,7 @@ def readable_repo(
     """
     validate_owner(owner)
     validate_repo(name)
-    if not tokens.can_read(claims, owner, name):
+    if not access.can_read(claims, owner, name).allowed:
         raise hidden_miss(miss, message, **detail)
     repo = find_repo(session, owner, name)
     if repo is None:
@@ -47,13 +62,63 @@ def readable_repo(
     return repo
 
 
-def writable_repo(session: Session, tokens: TokenService, claims: Claims, owner: str, name: str) -> Repo:
+def write_decision(session: Session, claims: Claims, owner: str, name: str) -> access.Decision:
+    """What a publish or upload by ``claims`` into ``owner/name`` would be answered (the preflight's question)."""
+    validate_owner(owner)
+    validate_repo(name)
+    return access.can_write(claims, owner, name, **_facts(session, claims, owner))
+
+
+def preflight(db: Database, claims: Claims, owner: str, name: str, min_ttl_s: int, now: int) -> None:
+    """Raise what a publish into ``owner/name`` would be refused with, or a token expiring too soon."""
+    with db.session() as session:
+        write = write_decision(session, claims, owner, name)
+    access.preflight(claims, write, now=now, min_ttl_s=min_ttl_s).enforce()
+
+
+def writable_repo(session: Session, claims: Claims, owner: str, name: str) -> Repo:
     """The repo ``claims`` may write, created (visibility ``owner``) on the first write."""
-    tokens.can_write(claims, owner, name)  # validates both names first
+    write_decision(session, claims, owner, name).enforce()
+    return _find_or_create(session, claims, owner, name, "owner")[0]
+
+
+def configure_repo(db: Database, claims: Claims, owner: str, name: str, visibility: str) -> RepoInfo:
+    """``PUT /v1/repos/{owner}/{name}``: create it with ``visibility``, or change its visibility."""
+    if visibility not in VISIBILITIES:  # the wire type checks too; the service never trusts it
+        raise BadRequest(f"visibility must be one of {VISIBILITIES}")
+    with db.session() as session:
+        validate_owner(owner)
+        validate_repo(name)
+        access.can_manage_repo(claims, owner, name, **_facts(session, claims, owner)).enforce()
+        repo, created = _find_or_create(session, claims, owner, name, visibility)
+        if not created and repo.visibility != visibility:
+            record(
+                session, actor=claims.sub, jti=claims.jti, action="repo.visibility", target=f"{owner}/{name}",
+                detail={"from": repo.visibility, "to": visibility},
+            )
+            repo.visibility = visibility
+        return RepoInfo(repo.owner, repo.name, repo.visibility, repo.created_by, repo.created_at, created)
+
+
+def _facts(session: Session, claims: Claims, owner: str) -> dict:
+    """The facts access decisions need, looked up live (a demotion or a claim counts at once)."""
+    reserved = is_reserved_owner(owner)
+    return {
+        "platform_principal": reserved and is_platform_principal(session, claims.sub),
+        "holder": None if reserved else holder(session, owner),
+    }
+
+
+def _find_or_create(session: Session, claims: Claims, owner: str, name: str, visibility: str) -> tuple[Repo, bool]:
     repo = find_repo(session, owner, name)
-    if repo is None:
-        insert_ignoring_conflicts(
-            session, Repo, owner=owner, name=name, visibility="owner", created_by=claims.sub, created_at=utcnow()
+    if repo is not None:
+        return repo, False
+    created = insert_ignoring_conflicts(
+        session, Repo, owner=owner, name=name, visibility=visibility, created_by=claims.sub, created_at=utcnow()
+    )
+    if created:
+        record(
+            session, actor=claims.sub, jti=claims.jti, action="repo.create", target=f"{owner}/{name}",
+            detail={"visibility": visibility},
         )
-        repo = find_repo(session, owner, name)
-    return repo
+    return find_repo(session, owner, name), created

@@ -1,0 +1,1 @@
+"""Cap-tokens: issuance and verification (service), the key ring (keys), the auth dependency, the HTTP routes."""

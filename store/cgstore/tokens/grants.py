@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+from cgstore_client.wire.tokens import MAX_GRANTS
+
 from cgstore.core.errors import BadRequest
 from cgstore.core.names import (
     RESERVED_OWNERS,
@@ -40,7 +42,6 @@ ACTIONS = frozenset({READ, WRITE, OWNER_CREATE, ADMIN})
 # Which actions each action also grants.
 _IMPLIED = {WRITE: frozenset({READ})}
 
-MAX_GRANTS = 64
 WILDCARD = "*"
 _GLOB_CHARS = frozenset("*?")
 # The alphabets of the two parts, plus the two glob characters. Lengths are

@@ -1,40 +1,55 @@
-"""The Ed25519 keys that sign and verify cap-tokens.
+"""The key ring: the Ed25519 keys that sign and verify cap-tokens, rotated without a restart.
 
-The signing key lives at ``settings.signing_key_path`` (PEM, PKCS8). When it is
-absent it is generated there exactly once: under a file lock, so two server
-processes starting together agree on one key, and written atomically with
-0600 permissions, so no process ever reads half a key.
+Public halves live in the ``signing_keys`` table, private halves on disk:
 
-Verification accepts the signing key's public key plus every PEM listed in
-``settings.token_verify_keys`` (public or private; for key rotation). Each key
-is known by a ``kid``: the first 16 hex digits of the SHA-256 of its raw public
-bytes. Tokens carry the ``kid`` in their header, which selects the key.
+- the bootstrap key at ``settings.signing_key_path`` (PEM, PKCS8), generated
+  there exactly once when absent: under a file lock, so two processes starting
+  together agree on one key, and written atomically with 0600 permissions, so
+  no process ever reads half a key. It joins the ring on first use.
+- every key ``cgstore keys rotate`` adds, at ``settings.keys_dir/<kid>.pem``.
+
+The newest key that is not retired (and whose private half this host holds)
+signs; every key that is not retired verifies. The table is read on every mint
+and every verification (one primary-key lookup), so ``rotate`` and ``retire``
+reach every running process on the next request: there is no cache to expire.
+Parsed keys are cached by ``kid``, which is the SHA-256 of the public key, so a
+cached key can never stand for another.
+
+A ``kid`` is the first 16 hex digits of the SHA-256 of the raw public bytes.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import logging
 import os
+import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from filelock import FileLock
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
+from cgstore.core.db import Database, insert_ignoring_conflicts, utcnow
+from cgstore.core.errors import BadRequest, NameUnknown, TokenInvalid, Unavailable
 from cgstore.settings import Settings
+from cgstore.tokens.models import SigningKey
 
 log = logging.getLogger(__name__)
 
 # Generous: another process may be generating the key right now (it takes ms).
 _LOCK_TIMEOUT_S = 60.0
+KID_LEN = 16
 
 
 class KeyConfigError(RuntimeError):
-    """A configured key file is missing, unreadable, or not an Ed25519 key.
+    """A configured key file is unreadable or not an Ed25519 key.
 
     A startup failure, not a request error: the store must not run with a key
     it cannot use.
@@ -43,26 +58,159 @@ class KeyConfigError(RuntimeError):
 
 def key_id(public_key: Ed25519PublicKey) -> str:
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).hexdigest()[:16]
+    return hashlib.sha256(raw).hexdigest()[:KID_LEN]
+
+
+def public_pem(public_key: Ed25519PublicKey) -> str:
+    return public_key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    ).decode("ascii")
+
+
+def jwk(kid: str, public_key: Ed25519PublicKey) -> dict[str, str]:
+    """The RFC 8037 JWK of an Ed25519 public key (``x`` only: never a private part)."""
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    x = base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+    return {"kty": "OKP", "crv": "Ed25519", "x": x, "kid": kid, "alg": "EdDSA", "use": "sig"}
 
 
 @dataclass(frozen=True)
+class KeyInfo:
+    """One key of the ring as ``cgstore keys list`` shows it."""
+
+    kid: str
+    created_at: object
+    retired_at: object
+    signs_here: bool
+
+
 class KeyRing:
-    """The signing key and every key a token may be verified with, by kid."""
+    """Signing and verification keys, read from the database on every use."""
 
-    signing_key: Ed25519PrivateKey
-    signing_kid: str
-    verify_keys: dict[str, Ed25519PublicKey] = field(default_factory=dict)
+    def __init__(self, db: Database, settings: Settings) -> None:
+        self._db = db
+        self._keys_dir = Path(settings.keys_dir)
+        bootstrap = load_or_create_signing_key(settings.signing_key_path)
+        self.bootstrap_kid = key_id(bootstrap.public_key())
+        self._private: dict[str, Ed25519PrivateKey] = {self.bootstrap_kid: bootstrap}
+        self._public: dict[str, Ed25519PublicKey] = {}
+        self._enrolled = False
+        self._lock = threading.Lock()
 
-    @classmethod
-    def from_settings(cls, settings: Settings) -> KeyRing:
-        signing_key = load_or_create_signing_key(settings.signing_key_path)
-        public = signing_key.public_key()
-        verify_keys = {key_id(public): public}
-        for path in settings.token_verify_keys:
-            extra = load_verify_key(Path(path))
-            verify_keys.setdefault(key_id(extra), extra)
-        return cls(signing_key=signing_key, signing_kid=key_id(public), verify_keys=verify_keys)
+    # -- the two questions every request asks ---------------------------------------
+
+    def signing_key(self, session: Session) -> tuple[str, Ed25519PrivateKey]:
+        """The newest key that is not retired and whose private half is on this host."""
+        self._ensure_enrolled()
+        kids = session.scalars(
+            select(SigningKey.kid)
+            .where(SigningKey.retired_at.is_(None))
+            .order_by(SigningKey.created_at.desc(), SigningKey.kid.desc())
+        )
+        for kid in kids:
+            private = self._private_key(kid)
+            if private is not None:
+                return kid, private
+        raise Unavailable("no signing key is available on this host: every key is retired or elsewhere")
+
+    def verify_key(self, session: Session, kid: str) -> Ed25519PublicKey:
+        """The public key ``kid`` names, if it is in the ring and not retired; else ``TokenInvalid``."""
+        self._ensure_enrolled()
+        row = session.get(SigningKey, kid)
+        if row is None:
+            raise TokenInvalid(f"token signed by an unknown key (kid {kid!r})")
+        if row.retired_at is not None:
+            raise TokenInvalid(f"token signed by a retired key (kid {kid!r})")
+        return self._public_key(row)
+
+    # -- the ring's life ----------------------------------------------------------------
+
+    def rotate(self, session: Session) -> str:
+        """Add a new key (it signs from now on); the old ones keep verifying. Returns its kid."""
+        self._ensure_enrolled()
+        key = Ed25519PrivateKey.generate()
+        kid = key_id(key.public_key())
+        # The private half first: a row is never visible without its key on disk.
+        write_private_key(self._keys_dir / f"{kid}.pem", key)
+        session.add(SigningKey(kid=kid, public_key=public_pem(key.public_key()), created_at=utcnow()))
+        with self._lock:
+            self._private[kid] = key
+        return kid
+
+    def retire(self, session: Session, kid: str) -> bool:
+        """Stop accepting ``kid``; its tokens answer 401 from the next request. False if already retired.
+
+        Refused when no other key this host can sign with would remain: rotate first.
+        """
+        self._ensure_enrolled()
+        row = session.get(SigningKey, kid) if isinstance(kid, str) else None
+        if row is None:
+            raise NameUnknown(f"no signing key with kid {kid!r}")
+        if row.retired_at is not None:
+            return False
+        others = session.scalars(
+            select(SigningKey.kid).where(SigningKey.retired_at.is_(None), SigningKey.kid != kid)
+        ).all()
+        if not any(self._private_key(other) is not None for other in others):
+            raise BadRequest(f"retiring {kid} would leave no key to sign with: run `cgstore keys rotate` first")
+        row.retired_at = utcnow()
+        return True
+
+    def list_keys(self, session: Session) -> list[KeyInfo]:
+        self._ensure_enrolled()
+        rows = session.scalars(select(SigningKey).order_by(SigningKey.created_at, SigningKey.kid)).all()
+        return [KeyInfo(r.kid, r.created_at, r.retired_at, self._private_key(r.kid) is not None) for r in rows]
+
+    def jwks(self, session: Session) -> list[dict[str, str]]:
+        """The public keys that verify now, as JWKs (``GET /v1/keys``)."""
+        self._ensure_enrolled()
+        rows = session.scalars(
+            select(SigningKey).where(SigningKey.retired_at.is_(None)).order_by(SigningKey.created_at, SigningKey.kid)
+        ).all()
+        return [jwk(row.kid, self._public_key(row)) for row in rows]
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _ensure_enrolled(self) -> None:
+        """Put the bootstrap key in the ring once per process (a no-op when it is there, even retired)."""
+        if self._enrolled:
+            return
+        with self._db.session() as session:
+            insert_ignoring_conflicts(
+                session,
+                SigningKey,
+                kid=self.bootstrap_kid,
+                public_key=public_pem(self._private[self.bootstrap_kid].public_key()),
+                created_at=utcnow(),
+            )
+        self._enrolled = True
+
+    def _private_key(self, kid: str) -> Ed25519PrivateKey | None:
+        with self._lock:
+            if kid in self._private:
+                return self._private[kid]
+        path = self._keys_dir / f"{kid}.pem"
+        if not path.exists():
+            return None  # rotated on another host, whose key file was not copied here
+        key = _load_private_key(path)
+        if key_id(key.public_key()) != kid:
+            raise KeyConfigError(f"{path} holds the key {key_id(key.public_key())}, not {kid}")
+        with self._lock:
+            self._private[kid] = key
+        return key
+
+    def _public_key(self, row: SigningKey) -> Ed25519PublicKey:
+        with self._lock:
+            cached = self._public.get(row.kid)
+        if cached is not None:
+            return cached
+        key = serialization.load_pem_public_key(row.public_key.encode("ascii"))
+        # A row edited to put another key under this kid must not verify anything.
+        if not isinstance(key, Ed25519PublicKey) or key_id(key) != row.kid:
+            raise TokenInvalid(f"key {row.kid!r} in the ring does not match its kid")
+        with self._lock:
+            self._public[row.kid] = key
+        return key
 
 
 def load_or_create_signing_key(path: Path) -> Ed25519PrivateKey:
@@ -73,27 +221,13 @@ def load_or_create_signing_key(path: Path) -> Ed25519PrivateKey:
         with FileLock(str(path.with_name(path.name + ".lock")), timeout=_LOCK_TIMEOUT_S):
             # Re-check under the lock: the process that held it may have written the key.
             if not path.exists():
-                _write_new_key(path)
+                write_private_key(path, Ed25519PrivateKey.generate())
     return _load_private_key(path)
 
 
-def load_verify_key(path: Path) -> Ed25519PublicKey:
-    """An Ed25519 public key from a PEM file holding either the public or the private key."""
-    data = _read(path)
-    try:
-        key = serialization.load_pem_public_key(data)
-    except ValueError:
-        try:
-            key = serialization.load_pem_private_key(data, password=None).public_key()
-        except (ValueError, TypeError) as exc:
-            raise KeyConfigError(f"{path}: not a PEM public or unencrypted private key ({exc})") from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise KeyConfigError(f"{path}: holds a {type(key).__name__}, not an Ed25519 key")
-    return key
-
-
-def _write_new_key(path: Path) -> None:
-    key = Ed25519PrivateKey.generate()
+def write_private_key(path: Path, key: Ed25519PrivateKey) -> None:
+    """Write ``key`` to ``path`` atomically, 0600, in a 0700 directory created if needed."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
@@ -112,11 +246,14 @@ def _write_new_key(path: Path) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
-    log.info("generated token signing key %s (kid %s)", path, key_id(key.public_key()))
+    log.info("wrote token signing key %s (kid %s)", path, key_id(key.public_key()))
 
 
 def _load_private_key(path: Path) -> Ed25519PrivateKey:
-    data = _read(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise KeyConfigError(f"cannot read key file {path}: {exc.strerror or exc}") from None
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
@@ -126,13 +263,6 @@ def _load_private_key(path: Path) -> Ed25519PrivateKey:
     if path.stat().st_mode & 0o077:
         log.warning("token signing key %s is readable by group or others; chmod 600 it", path)
     return key
-
-
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise KeyConfigError(f"cannot read key file {path}: {exc.strerror or exc}") from None
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -1,31 +1,30 @@
-"""Cap-tokens: mint, verify, attenuate, revoke; and the write/read gates built on them.
+"""Cap-tokens: issuance (mint, attenuate), verification, revocation and listing.
 
-A cap-token is an EdDSA (Ed25519) JWT. Its claims (PROTOCOL.md, "Tokens"):
-``iss``, ``aud`` = ``cgstore``, ``sub`` (principal), ``iat``, ``exp``, ``jti``,
-``plt`` (platform), ``grants``, and ``parent`` (jti) when attenuated.
+A cap-token is an EdDSA (Ed25519) JWT signed by the key ring (tokens/keys.py).
+Its claims (PROTOCOL.md, "Tokens"): ``iss``, ``aud`` = ``cgstore``, ``sub``
+(principal), ``iat``, ``exp``, ``jti``, ``plt`` (platform), ``grants``, and
+``parent`` (jti) when attenuated; ``nbf`` is honoured when present.
 
-A signature alone never makes a token valid: every minted token is recorded,
-and ``verify`` also requires the record to exist and neither it nor any
-ancestor to be revoked. Nothing is cached between calls, so a revocation takes
+A signature alone never makes a token valid. ``verify`` requires: the header's
+``alg`` EdDSA and a ``kid`` naming a key of the ring that is not retired; the
+signature; ``aud`` and ``iss`` exactly; ``exp``, ``iat`` and ``nbf`` against the
+clock; a record for the ``jti`` whose digest of the claims equals the digest
+of the presented claims (so a recorded jti re-signed with other claims by any
+accepted key is refused) and whose signing ``kid`` is the header's; and
+neither the token nor any ancestor revoked.
+Nothing is cached between calls, so a revocation or a key retirement takes
 effect on the very next request. Every failure is ``TokenInvalid`` (401); no
-path falls back to anonymous.
+path falls back to anonymous. Tokens are never stored or logged: records hold
+claims and the jti.
 
-The gates:
-- ``can_write``: a matching ``write`` grant, else ``Denied``. Under a reserved
-  owner (``root``, ``admin``, ...) the refusal is always ``RootReserved``,
-  whichever lock failed (the grant, ``plt``, or the registered platform
-  principal), so a tenant learns the namespace is reserved rather than that
-  its grant was merely too narrow.
-- ``can_read``: ``root/*`` is readable by every valid token; elsewhere a
-  ``read`` grant, and ``write`` implies ``read``.
-
-Database errors are not wrapped here: the app maps SQLAlchemy's operational
-errors to ``UNAVAILABLE`` globally.
+What a token may do is decided in ``cgstore.access``, not here. Every mint,
+attenuation and revocation is audited in its own transaction.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hmac
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -34,32 +33,29 @@ from typing import Any
 
 import jwt
 from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from cgstore.access import can_attenuate
+from cgstore.audit.service import record
 from cgstore.core.db import Database
-from cgstore.core.errors import BadRequest, Denied, NameUnknown, RootReserved, TokenInvalid
-from cgstore.core.names import ROOT_OWNER, is_reserved_owner, validate_owner, validate_repo
+from cgstore.core.errors import BadRequest, NameUnknown, TokenInvalid
+from cgstore.owners.service import upsert_principal
 from cgstore.settings import Settings
-from cgstore.tokens.grants import (
-    READ,
-    WRITE,
-    Grant,
-    GrantInvalid,
-    grant_allows,
-    grant_allows_owner,
-    grants_to_json,
-    is_subset,
-    parse_grants,
+from cgstore.tokens.claims import (
+    ALGORITHM,
+    AUDIENCE,
+    Claims,
+    check_sub,
+    check_ttl,
+    claims_digest,
+    is_int,
+    valid_jti,
+    valid_sub,
 )
-from cgstore.tokens.keys import KeyRing
-from cgstore.tokens.models import Principal, TokenRecord
+from cgstore.tokens.grants import Grant, GrantInvalid, grants_to_json, parse_grants
+from cgstore.tokens.keys import KID_LEN, KeyRing
+from cgstore.tokens.models import TokenRecord
 
-AUDIENCE = "cgstore"
-ALGORITHM = "EdDSA"
-MAX_TTL_S = 366 * 24 * 3600
-MAX_SUB_LEN = 200
-MAX_JTI_LEN = 64  # the tokens.jti column
 # Clock skew tolerated between this process and whoever judges "now" elsewhere.
 LEEWAY_S = 10
 # A token longer than this is garbage (64 grants fit in well under 16 KiB).
@@ -69,45 +65,6 @@ MAX_TOKEN_LEN = 16 * 1024
 MAX_CHAIN_DEPTH = 32
 
 _REQUIRED_CLAIMS = ("iss", "aud", "sub", "iat", "exp", "jti", "plt", "grants")
-
-
-@dataclass(frozen=True)
-class Claims:
-    """The verified claims of a cap-token. Only ``TokenService`` builds these."""
-
-    iss: str
-    aud: str
-    sub: str
-    iat: int
-    exp: int
-    jti: str
-    plt: bool
-    grants: tuple[Grant, ...]
-    parent: str | None = None
-
-    def allows(self, owner: str, repo: str, action: str) -> bool:
-        """Whether a grant allows ``action`` on ``owner/repo`` (grants only: no root gate)."""
-        return grant_allows(self.grants, owner, repo, action)
-
-    def allows_owner(self, owner: str, action: str) -> bool:
-        """Whether a grant over all of ``owner``'s repos (``owner/*``) allows ``action``."""
-        return grant_allows_owner(self.grants, owner, action)
-
-    def to_payload(self) -> dict[str, Any]:
-        payload: dict[str, Any] = {
-            "iss": self.iss,
-            "aud": self.aud,
-            "sub": self.sub,
-            "iat": self.iat,
-            "exp": self.exp,
-            "jti": self.jti,
-            "plt": self.plt,
-            "grants": grants_to_json(self.grants),
-        }
-        if self.parent is not None:
-            payload["parent"] = self.parent
-        return payload
-
 
 @dataclass(frozen=True)
 class MintedToken:
@@ -145,14 +102,18 @@ class TokenService:
     ) -> None:
         self._db = db
         self._issuer = settings.token_issuer
-        self._keys = keys or KeyRing.from_settings(settings)
+        self._keys = keys or KeyRing(db, settings)
         self._clock = clock  # injectable so tests can move time instead of sleeping
 
     @property
     def keys(self) -> KeyRing:
         return self._keys
 
-    def _now(self) -> int:
+    @property
+    def db(self) -> Database:
+        return self._db
+
+    def now(self) -> int:
         return int(self._clock())
 
     # -- minting ------------------------------------------------------------------
@@ -163,57 +124,53 @@ class TokenService:
         grants: Iterable[object],
         ttl_s: int,
         platform: bool = False,
-        parent: str | None = None,
+        *,
+        actor: Claims | None = None,
     ) -> MintedToken:
-        """Sign and record a new token for ``sub``.
+        """Sign and record a new token for ``sub``; ``actor`` is the admin asking (None: the CLI).
 
         ``platform=True`` also registers ``sub`` as a platform principal (this
         is how ``cgstore token mint --platform`` creates one); ``platform=False``
         registers ``sub`` if new and never demotes an existing platform principal.
-        ``parent`` links the new token under an existing one (so revoking that
-        revokes this) without any subset check: that is ``attenuate``'s job.
         """
-        _check_sub(sub)
-        _check_ttl(ttl_s)
+        check_sub(sub)
+        check_ttl(ttl_s)
         parsed = parse_grants(grants)  # GrantInvalid is a BadRequest (400)
         if not isinstance(platform, bool):
             raise BadRequest("platform must be true or false")
         # Its own transaction first: a principal row is harmless to keep even
         # if recording the token then fails, and it keeps the race handling simple.
-        self._upsert_principal(sub, platform, demote=False)
+        upsert_principal(self._db, sub, platform, demote=False)
         with self._db.session() as session:
-            if parent is not None and session.get(TokenRecord, parent) is None:
-                raise NameUnknown(f"no parent token with jti {_show(parent)}")
-            return self._issue(session, sub, parsed, self._now() + ttl_s, platform, parent)
+            minted = self._issue(session, sub, parsed, self.now() + ttl_s, platform, None)
+            _audit(session, actor, "token.mint", minted, platform=platform)
+            return minted
 
-    def attenuate(self, parent: Claims, grants: Iterable[object], ttl_s: int) -> MintedToken:
+    def attenuate(
+        self, parent: Claims, grants: Iterable[object], ttl_s: int, platform: bool | None = None
+    ) -> MintedToken:
         """A child of ``parent``: grants a subset, ``exp`` no later than the parent's.
 
-        Anything wider is refused with ``Denied``, never silently narrowed:
-        a ttl that would outlive the parent is an error, not a clamp. ``plt``
-        is inherited only if the parent has it.
+        Anything wider is refused with ``Denied`` naming what was wider, never
+        silently narrowed: a ttl that would outlive the parent is an error, not
+        a clamp. ``platform`` None inherits the parent's ``plt``; True asks for
+        it (refused unless the parent has it); False drops it.
         """
-        _check_ttl(ttl_s)
+        check_ttl(ttl_s)
         parsed = parse_grants(grants)  # GrantInvalid is a BadRequest (400)
-        if not is_subset(parsed, parent.grants):
-            raise Denied(
-                "requested grants are wider than the parent token's",
-                requested=grants_to_json(parsed),
-                parent=grants_to_json(parent.grants),
-            )
-        exp = self._now() + ttl_s
-        if exp > parent.exp:
-            raise Denied(
-                f"requested ttl_s={ttl_s} outlives the parent token "
-                f"(it expires in {max(parent.exp - self._now(), 0)} s)",
-                parent_exp=parent.exp,
-            )
+        if platform is not None and not isinstance(platform, bool):
+            raise BadRequest("platform must be true, false or absent")
+        plt = parent.plt if platform is None else platform
+        exp = self.now() + ttl_s
+        can_attenuate(parent, parsed, exp=exp, plt=plt).enforce()
         with self._db.session() as session:
             # The parent may have been revoked since it was verified; a child
             # recorded anyway would be invalid (verify walks ancestors), but
             # refusing here gives the caller the honest answer now.
-            self._check_record(session, parent.jti, parent.sub, parent.parent)
-            return self._issue(session, parent.sub, parsed, exp, parent.plt, parent.jti)
+            self._check_chain(session, parent.jti)
+            minted = self._issue(session, parent.sub, parsed, exp, plt, parent.jti)
+            _audit(session, parent, "token.attenuate", minted, parent=parent.jti)
+            return minted
 
     def _issue(
         self,
@@ -224,7 +181,7 @@ class TokenService:
         platform: bool,
         parent: str | None,
     ) -> MintedToken:
-        now = self._now()
+        now = self.now()
         claims = Claims(
             iss=self._issuer,
             aud=AUDIENCE,
@@ -236,6 +193,8 @@ class TokenService:
             grants=grants,
             parent=parent,
         )
+        payload = claims.to_payload()
+        kid, signing_key = self._keys.signing_key(session)
         session.add(
             TokenRecord(
                 jti=claims.jti,
@@ -245,34 +204,36 @@ class TokenService:
                 grants=grants_to_json(grants),
                 issued_at=_to_datetime(now),
                 expires_at=_to_datetime(exp),
+                claims_digest=claims_digest(payload),
+                kid=kid,
             )
         )
-        token = jwt.encode(
-            claims.to_payload(),
-            self._keys.signing_key,
-            algorithm=ALGORITHM,
-            headers={"kid": self._keys.signing_kid, "typ": "JWT"},
-        )
+        token = jwt.encode(payload, signing_key, algorithm=ALGORITHM, headers={"kid": kid, "typ": "JWT"})
         return MintedToken(token=token, jti=claims.jti, exp=exp, claims=claims)
 
     # -- verifying -----------------------------------------------------------------
 
     def verify(self, token: object) -> Claims:
         """The claims of a valid token, or ``TokenInvalid`` saying why not."""
-        payload = self._decode(token)
-        claims = self._claims_from_payload(payload)
-        now = self._now()
-        if now > claims.exp + LEEWAY_S:
-            raise TokenInvalid(f"token expired {now - claims.exp} s ago", jti=claims.jti)
-        if claims.iat > now + LEEWAY_S:
-            raise TokenInvalid("token issued in the future (check clocks)", jti=claims.jti)
-        if claims.exp < claims.iat:
-            raise TokenInvalid("malformed token: exp before iat")
+        kid = self._header_kid(token)
         with self._db.session() as session:
-            self._check_record(session, claims.jti, claims.sub, claims.parent)
+            payload = self._decode(token, self._keys.verify_key(session, kid))
+            claims = self._claims_from_payload(payload)
+            self._check_times(claims, payload)
+            record_ = session.get(TokenRecord, claims.jti)
+            if record_ is None:
+                raise TokenInvalid("unknown token (not issued by this store, or its record is gone)")
+            if record_.claims_digest is None:
+                raise TokenInvalid("token predates claim digests (revision 0002): mint a new one", jti=claims.jti)
+            if not hmac.compare_digest(record_.claims_digest, claims_digest(payload)):
+                raise TokenInvalid("token claims differ from its record", jti=claims.jti)
+            if record_.kid != kid:  # so a retired key's tokens stay dead, even re-signed
+                raise TokenInvalid("token signed by another key than the one that minted it", jti=claims.jti)
+            self._check_chain(session, claims.jti)
         return claims
 
-    def _decode(self, token: object) -> dict[str, Any]:
+    @staticmethod
+    def _header_kid(token: object) -> str:
         if not isinstance(token, str) or not token:
             raise TokenInvalid("malformed token: empty")
         if len(token) > MAX_TOKEN_LEN:
@@ -285,51 +246,61 @@ class TokenService:
         # must never reach a verifier. PyJWT's algorithms= list is the second lock.
         if header.get("alg") != ALGORITHM:
             raise TokenInvalid(f"token algorithm {_show(header.get('alg'))} not accepted (EdDSA only)")
-        for key in self._candidate_keys(header):
-            try:
-                return jwt.decode(
-                    token,
-                    key,
-                    algorithms=[ALGORITHM],
-                    audience=AUDIENCE,
-                    issuer=self._issuer,
-                    # Time is judged against self._clock in verify(), not PyJWT's clock.
-                    options={
-                        "require": list(_REQUIRED_CLAIMS),
-                        "verify_exp": False,
-                        "verify_iat": False,
-                        "verify_nbf": False,
-                    },
-                )
-            except jwt.InvalidSignatureError:
-                continue  # try the next key (only when the header named none)
-            except jwt.InvalidAudienceError:
-                raise TokenInvalid(f"token audience is not {AUDIENCE!r}") from None
-            except jwt.InvalidIssuerError:
-                raise TokenInvalid(f"token issuer is not {self._issuer!r}") from None
-            except jwt.MissingRequiredClaimError as exc:
-                raise TokenInvalid(f"malformed token: missing claim {exc.claim!r}") from None
-            except jwt.PyJWTError as exc:
-                raise TokenInvalid(f"malformed token: {exc}") from None
-        raise TokenInvalid("token signature does not verify")
-
-    def _candidate_keys(self, header: Mapping[str, Any]) -> list:
         kid = header.get("kid")
-        if kid is None:
-            return list(self._keys.verify_keys.values())
-        if not isinstance(kid, str) or kid not in self._keys.verify_keys:
+        if not isinstance(kid, str) or len(kid) != KID_LEN or not all(c in "0123456789abcdef" for c in kid):
             raise TokenInvalid(f"token signed by an unknown key (kid {_show(kid)})")
-        return [self._keys.verify_keys[kid]]
+        return kid
+
+    def _decode(self, token: str, key) -> dict[str, Any]:
+        try:
+            return jwt.decode(
+                token,
+                key,
+                algorithms=[ALGORITHM],
+                audience=AUDIENCE,
+                issuer=self._issuer,
+                # Time is judged against self._clock in _check_times, not PyJWT's clock.
+                options={
+                    "require": list(_REQUIRED_CLAIMS),
+                    "verify_exp": False,
+                    "verify_iat": False,
+                    "verify_nbf": False,
+                },
+            )
+        except jwt.InvalidSignatureError:
+            raise TokenInvalid("token signature does not verify") from None
+        except jwt.InvalidAudienceError:
+            raise TokenInvalid(f"token audience is not {AUDIENCE!r}") from None
+        except jwt.InvalidIssuerError:
+            raise TokenInvalid(f"token issuer is not {self._issuer!r}") from None
+        except jwt.MissingRequiredClaimError as exc:
+            raise TokenInvalid(f"malformed token: missing claim {exc.claim!r}") from None
+        except jwt.PyJWTError as exc:
+            raise TokenInvalid(f"malformed token: {exc}") from None
+
+    def _check_times(self, claims: Claims, payload: Mapping[str, Any]) -> None:
+        now = self.now()
+        if now > claims.exp + LEEWAY_S:
+            raise TokenInvalid(f"token expired {now - claims.exp} s ago", jti=claims.jti)
+        if claims.iat > now + LEEWAY_S:
+            raise TokenInvalid("token issued in the future (check clocks)", jti=claims.jti)
+        if claims.exp < claims.iat:
+            raise TokenInvalid("malformed token: exp before iat")
+        nbf = payload.get("nbf")
+        if nbf is not None and not is_int(nbf):
+            raise TokenInvalid("malformed token: nbf must be an integer")
+        if nbf is not None and nbf > now + LEEWAY_S:
+            raise TokenInvalid(f"token not yet valid (nbf is {nbf - now} s from now)", jti=claims.jti)
 
     def _claims_from_payload(self, payload: Mapping[str, Any]) -> Claims:
         sub, jti, parent = payload["sub"], payload["jti"], payload.get("parent")
-        if not _valid_sub(sub):
+        if not valid_sub(sub):
             raise TokenInvalid("malformed token: bad sub claim")
-        if not _valid_jti(jti):
+        if not valid_jti(jti):
             raise TokenInvalid("malformed token: bad jti claim")
-        if parent is not None and not _valid_jti(parent):
+        if parent is not None and not valid_jti(parent):
             raise TokenInvalid("malformed token: bad parent claim")
-        if not all(_is_int(payload[name]) for name in ("iat", "exp")):
+        if not all(is_int(payload[name]) for name in ("iat", "exp")):
             raise TokenInvalid("malformed token: iat and exp must be integers")
         # Re-checked exactly: PyJWT also accepts an aud list that merely contains ours,
         # and the issuer check should not depend on the installed PyJWT's version.
@@ -357,43 +328,50 @@ class TokenService:
             parent=parent,
         )
 
-    def _check_record(self, session: Session, jti: str, sub: str, parent: str | None) -> None:
-        """The token is recorded, matches its record, and no token in its chain is revoked."""
-        record = session.get(TokenRecord, jti)
-        if record is None:
+    @staticmethod
+    def _check_chain(session: Session, jti: str) -> None:
+        """The token is recorded and no token in its chain is revoked."""
+        record_ = session.get(TokenRecord, jti)
+        if record_ is None:
             raise TokenInvalid("unknown token (not issued by this store, or its record is gone)")
-        if record.sub != sub or record.parent_jti != parent:
-            raise TokenInvalid("token does not match its record")
         seen: set[str] = set()
-        while record is not None:
-            if record.revoked_at is not None:
-                which = "token" if record.jti == jti else "a parent token"
+        while record_ is not None:
+            if record_.revoked_at is not None:
+                which = "token" if record_.jti == jti else "a parent token"
                 raise TokenInvalid(f"{which} was revoked", jti=jti)
-            seen.add(record.jti)
-            if record.parent_jti is None:
+            seen.add(record_.jti)
+            if record_.parent_jti is None:
                 return
-            if record.parent_jti in seen or len(seen) >= MAX_CHAIN_DEPTH:
+            if record_.parent_jti in seen or len(seen) >= MAX_CHAIN_DEPTH:
                 raise TokenInvalid("token chain is corrupt")
-            record = session.get(TokenRecord, record.parent_jti)
+            record_ = session.get(TokenRecord, record_.parent_jti)
         raise TokenInvalid("a parent token is unknown")
 
     # -- revoking and listing --------------------------------------------------------
 
-    def revoke(self, jti: str) -> int:
+    def revoke(self, jti: str, *, actor: Claims | None = None) -> int:
         """Revoke ``jti`` and all its descendants. Returns how many were newly revoked.
 
         Revoking an already revoked token is not an error (it answers 0 plus
         any descendant minted since). Unknown ``jti``: ``NameUnknown``.
         """
-        now = _to_datetime(self._now())
+        now = _to_datetime(self.now())
         with self._db.session() as session:
-            if not isinstance(jti, str) or session.get(TokenRecord, jti) is None:
+            if not valid_jti(jti) or session.get(TokenRecord, jti) is None:
                 raise NameUnknown(f"no token with jti {_show(jti)}")
             subtree = _descendants(session, jti) | {jti}
             result = session.execute(
                 update(TokenRecord)
                 .where(TokenRecord.jti.in_(subtree), TokenRecord.revoked_at.is_(None))
                 .values(revoked_at=now)
+            )
+            record(
+                session,
+                actor=actor.sub if actor else "cli",
+                jti=actor.jti if actor else None,
+                action="token.revoke",
+                target=jti,
+                detail={"revoked": result.rowcount},
             )
             return result.rowcount
 
@@ -403,109 +381,31 @@ class TokenService:
         A token is ``revoked`` if it or any ancestor is, so the listing agrees
         with ``verify`` even for a child recorded while its parent was being revoked.
         """
-        now = _to_datetime(self._now())
+        now = _to_datetime(self.now())
         with self._db.session() as session:
             query = select(TokenRecord).order_by(TokenRecord.issued_at, TokenRecord.jti)
             if sub is not None:
                 # Attenuation keeps sub, so a principal's chains are all in this set.
                 query = query.where(TokenRecord.sub == sub)
             records = session.scalars(query).all()
-        by_jti = {r.jti: r for r in records}
-        return [_token_info(r, _status(r, by_jti, now)) for r in records]
-
-    # -- principals -------------------------------------------------------------------
-
-    def register_principal(self, name: str, platform: bool) -> None:
-        """Create or update principal ``name``; ``platform`` is set as given (may demote)."""
-        _check_sub(name)
-        if not isinstance(platform, bool):
-            raise BadRequest("platform must be true or false")
-        self._upsert_principal(name, platform, demote=True)
-
-    def _upsert_principal(self, name: str, platform: bool, *, demote: bool) -> None:
-        """Create ``name`` with ``platform``, or update an existing row.
-
-        An existing platform principal is demoted only when ``demote`` is set:
-        minting an ordinary token for it must not strip its platform status.
-        Two first mints for one principal may race on the insert; the loser
-        retries once and then finds the winner's row.
-        """
-        for attempt in range(2):
-            try:
-                with self._db.session() as session:
-                    principal = session.get(Principal, name)
-                    if principal is None:
-                        session.add(Principal(name=name, platform=platform))
-                    elif platform or demote:
-                        principal.platform = platform
-                return
-            except IntegrityError:
-                if attempt:
-                    raise
-
-    def is_platform_principal(self, name: str) -> bool:
-        with self._db.session() as session:
-            principal = session.get(Principal, name)
-            return principal is not None and principal.platform
-
-    # -- gates ------------------------------------------------------------------------
-
-    def can_write(self, claims: Claims, owner: str, repo: str) -> None:
-        """Return if ``claims`` may write ``owner/repo``; else ``Denied`` or ``RootReserved``."""
-        validate_owner(owner)
-        validate_repo(repo)
-        allowed = claims.allows(owner, repo, WRITE)
-        if is_reserved_owner(owner):
-            # Three locks, all required: grant naming the owner, plt, registered platform.
-            # Looked up live every time: a demoted principal loses root at once.
-            if not (allowed and claims.plt and self.is_platform_principal(claims.sub)):
-                raise RootReserved(
-                    f"'{owner}' is a reserved namespace: only a registered platform principal, "
-                    f"with a platform token and a grant naming '{owner}/...', may write there",
-                    owner=owner,
-                )
-            return
-        if not allowed:
-            raise Denied(f"token grants no write on {owner}/{repo}", repo=f"{owner}/{repo}")
-
-    def can_read(self, claims: Claims, owner: str, repo: str) -> bool:
-        """Whether ``claims`` may read ``owner/repo``. ``root/*`` is public to valid tokens."""
-        if owner == ROOT_OWNER:
-            return True
-        return claims.allows(owner, repo, READ)
+            by_jti = {r.jti: r for r in records}
+            # A filtered listing may lack an ancestor; fetch the missing ones for the status walk.
+            return [_token_info(r, _status(session, r, by_jti, now)) for r in records]
 
 
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _check_sub(sub: object) -> None:
-    if not _valid_sub(sub):
-        raise BadRequest(
-            f"principal name must be 1-{MAX_SUB_LEN} printable characters without "
-            "surrounding whitespace"
-        )
-
-
-def _valid_sub(sub: object) -> bool:
-    return (
-        isinstance(sub, str)
-        and 0 < len(sub) <= MAX_SUB_LEN
-        and sub.isprintable()
-        and sub == sub.strip()  # "alice " and "alice" must not be two principals
+def _audit(session: Session, actor: Claims | None, action: str, minted: MintedToken, **detail: Any) -> None:
+    """The jti and claims of the new token; never the token itself."""
+    record(
+        session,
+        actor=actor.sub if actor else "cli",
+        jti=actor.jti if actor else None,
+        action=action,
+        target=minted.jti,
+        detail={"sub": minted.claims.sub, "grants": grants_to_json(minted.claims.grants), "exp": minted.exp, **detail},
     )
-
-
-def _valid_jti(jti: object) -> bool:
-    return isinstance(jti, str) and 0 < len(jti) <= MAX_JTI_LEN and jti.isascii() and jti.isalnum()
-
-
-def _check_ttl(ttl_s: object) -> None:
-    if not _is_int(ttl_s) or not 0 < ttl_s <= MAX_TTL_S:
-        raise BadRequest(f"ttl_s must be an integer in 1..{MAX_TTL_S} (366 days)")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _descendants(session: Session, jti: str) -> set[str]:
@@ -520,27 +420,29 @@ def _descendants(session: Session, jti: str) -> set[str]:
     return found
 
 
-def _status(record: TokenRecord, by_jti: Mapping[str, TokenRecord], now: dt.datetime) -> str:
-    node: TokenRecord | None = record
+def _status(session: Session, record_: TokenRecord, by_jti: dict[str, TokenRecord], now: dt.datetime) -> str:
+    node: TokenRecord | None = record_
     for _ in range(MAX_CHAIN_DEPTH):
         if node is None:
             break
         if node.revoked_at is not None:
             return "revoked"
-        node = by_jti.get(node.parent_jti) if node.parent_jti else None
-    return "expired" if record.expires_at <= now else "active"
+        if not node.parent_jti:
+            break
+        node = by_jti.get(node.parent_jti) or session.get(TokenRecord, node.parent_jti)
+    return "expired" if record_.expires_at <= now else "active"
 
 
-def _token_info(record: TokenRecord, status: str) -> TokenInfo:
+def _token_info(record_: TokenRecord, status: str) -> TokenInfo:
     return TokenInfo(
-        jti=record.jti,
-        sub=record.sub,
-        parent_jti=record.parent_jti,
-        platform=record.platform,
-        grants=record.grants,
-        issued_at=record.issued_at,
-        expires_at=record.expires_at,
-        revoked_at=record.revoked_at,
+        jti=record_.jti,
+        sub=record_.sub,
+        parent_jti=record_.parent_jti,
+        platform=record_.platform,
+        grants=record_.grants,
+        issued_at=record_.issued_at,
+        expires_at=record_.expires_at,
+        revoked_at=record_.revoked_at,
         status=status,
     )
 

@@ -1,4 +1,8 @@
-"""The resources one app instance shares between requests, and the dependency that hands them out."""
+"""The resources one app instance shares between requests, and the dependency that hands them out.
+
+It lives beside ``app.py`` (not in ``core/``) because it names feature
+services: it is where the app is composed.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from cgstore.audit.denials import DenialLog
 from cgstore.core.db import Database
 from cgstore.core.metrics import Metrics
 from cgstore.settings import Settings
@@ -20,6 +25,7 @@ class StoreContext:
     storage: Storage
     tokens: TokenService
     metrics: Metrics
+    denials: DenialLog
 
 
 def get_context(request: Request) -> StoreContext:

@@ -2,7 +2,9 @@
 
 No token: 401 ``UNAUTHORIZED``. Two ``Authorization`` headers: 400 ``BAD_REQUEST``. Anything wrong with the token: 401
 ``TOKEN_INVALID`` (never a silent downgrade to anonymous). The token is
-verified on every request, revocation included.
+verified on every request, revocation and key retirement included. The
+verified claims ride on ``request.state.claims`` so a refusal is audited
+under its actor and jti; the token itself goes nowhere else.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
-from cgstore.core.context import StoreContext, get_context
+from cgstore.context import StoreContext, get_context
 from cgstore.core.errors import BadRequest, TokenInvalid, Unauthorized
-from cgstore.tokens.service import Claims
+from cgstore.tokens.claims import Claims
 
 
 async def require_claims(request: Request, ctx: StoreContext = Depends(get_context)) -> Claims:

@@ -3,7 +3,11 @@
 from cgstore.audit.models import AuditEvent
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
 from cgstore.core.db import Base
+from cgstore.owners.models import Owner, Principal
 from cgstore.repos.models import Repo
-from cgstore.tokens.models import Principal, TokenRecord
+from cgstore.tokens.models import SigningKey, TokenRecord
 
-__all__ = ["AuditEvent", "Base", "Blob", "Principal", "Repo", "RepoBlob", "TokenRecord", "UploadSession"]
+__all__ = [
+    "AuditEvent", "Base", "Blob", "Owner", "Principal", "Repo", "RepoBlob", "SigningKey", "TokenRecord",
+    "UploadSession",
+]

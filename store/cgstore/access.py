@@ -1,0 +1,207 @@
+"""Access decisions: who may read, write, manage, claim and attenuate what. Values, not effects.
+
+Every function here is pure: it takes verified ``Claims`` and the facts a
+service looked up (is the principal a registered platform principal? who holds
+the owner?) and answers a ``Decision``. Services ask, then ``enforce()``; the
+rules live only here. The rules:
+
+Reading
+  - ``root/*`` is readable by every valid token.
+  - Elsewhere a ``read`` grant matching owner and repo (``write`` implies ``read``).
+  - A refused read is answered as a miss identical to an absent thing
+    (the caller raises ``hidden_miss``), never as 403.
+
+Writing (blob uploads, mounts, publishes; the preflight asks the same question)
+  - A ``write`` grant matching owner and repo, else 403 ``DENIED``.
+  - Owner authority: a tenant writes only under owners it holds (claimed with
+    ``POST /v1/owners``) or that a grant names literally. A wildcard owner
+    pattern (``*/*``, ``acme-*/x``) reaches only the caller's own owners.
+  - The root gate, for the reserved owners (``root``, ``admin``, ``platform``,
+    ``system``, ``api``): three locks, all required, checked independently —
+    (a) a grant naming the owner literally (``*`` never matches a reserved
+    owner), (b) the token carries ``plt``, (c) the principal is registered as
+    a platform principal (looked up live). Any lock open: 403 ``ROOT_RESERVED``
+    with the open locks listed.
+  - Preflight: the write decision, plus the token must stay valid for at least
+    ``min_ttl_s`` (else 403 ``DENIED``): a mint child learns it would fail
+    before it spends minutes compiling.
+
+Managing a repo (``PUT /v1/repos/{o}/{r}`` creates it or changes its visibility)
+  - Reserved owners: the root gate. Elsewhere an ``admin`` grant matching the
+    repo, or the holder of the owner with a ``write`` grant matching the repo.
+
+Claiming an owner (``POST /v1/owners``)
+  - The slug must be a valid owner name, strict ASCII, never normalized
+    (``Root``, Cyrillic ``rооt``, full-width ``ｒｏｏｔ``, ``root-``: 400 ``NAME_INVALID``).
+  - A reserved slug: 403 ``ROOT_RESERVED``, whoever asks.
+  - An ``owner:create`` grant over the whole owner (``<pattern>/*``), else 403 ``DENIED``.
+
+Administering the store (mint, list, revoke tokens; the audit)
+  - An ``admin`` grant over ``*/*``.
+
+Attenuating (``POST /v1/tokens/attenuate``)
+  - Every requested grant and action covered by one parent grant; ``exp`` no
+    later than the parent's; ``plt`` only if the parent has it. Anything wider:
+    403 ``DENIED`` naming every part that was wider. ``admin`` is an action like
+    any other: a child holds it only where the parent did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cgstore.core.errors import Denied, RootReserved, StoreError
+from cgstore.core.names import ROOT_OWNER, is_reserved_owner, validate_owner, validate_repo
+from cgstore.tokens.claims import Claims
+from cgstore.tokens.grants import ADMIN, OWNER_CREATE, READ, WILDCARD, WRITE, Grant, is_subset
+
+LOCK_GRANT = "a grant naming the owner literally"
+LOCK_PLT = "a platform token (plt)"
+LOCK_PLATFORM = "a registered platform principal"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An answer: allowed, or the refusal to raise."""
+
+    allowed: bool
+    refusal: StoreError | None = None
+
+    def enforce(self) -> None:
+        if self.refusal is not None:
+            raise self.refusal
+
+
+ALLOWED = Decision(True)
+
+
+def _refuse(error: StoreError) -> Decision:
+    return Decision(False, error)
+
+
+# -- reading ----------------------------------------------------------------------------
+
+
+def can_read(claims: Claims, owner: str, repo: str) -> Decision:
+    if owner == ROOT_OWNER or claims.allows(owner, repo, READ):
+        return ALLOWED
+    return _refuse(Denied(f"token grants no read on {owner}/{repo}", repo=f"{owner}/{repo}"))
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def root_gate(claims: Claims, owner: str, repo: str, *, platform_principal: bool) -> Decision:
+    """The three locks of a reserved owner, each checked on its own."""
+    missing = []
+    if not _named_literally(claims, owner, repo, WRITE):
+        missing.append(LOCK_GRANT)
+    if not claims.plt:
+        missing.append(LOCK_PLT)
+    if not platform_principal:
+        missing.append(LOCK_PLATFORM)
+    if not missing:
+        return ALLOWED
+    return _refuse(
+        RootReserved(
+            f"'{owner}' is a reserved namespace: writing there needs {LOCK_GRANT}, {LOCK_PLT} "
+            f"and {LOCK_PLATFORM}; missing: {', '.join(missing)}",
+            owner=owner,
+            missing=missing,
+        )
+    )
+
+
+def can_write(claims: Claims, owner: str, repo: str, *, platform_principal: bool, holder: str | None) -> Decision:
+    """Whether ``claims`` may write ``owner/repo``. Invalid names raise ``NameInvalid`` first."""
+    validate_owner(owner)
+    validate_repo(repo)
+    if is_reserved_owner(owner):
+        return root_gate(claims, owner, repo, platform_principal=platform_principal)
+    if not claims.allows(owner, repo, WRITE):
+        return _refuse(Denied(f"token grants no write on {owner}/{repo}", repo=f"{owner}/{repo}"))
+    if holder != claims.sub and not _named_literally(claims, owner, repo, WRITE):
+        return _refuse(
+            Denied(
+                f"owner '{owner}' is not held by {claims.sub!r} and no grant names it: "
+                "a wildcard grant writes only under the caller's own owners",
+                repo=f"{owner}/{repo}",
+            )
+        )
+    return ALLOWED
+
+
+def preflight(claims: Claims, write: Decision, *, now: int, min_ttl_s: int) -> Decision:
+    """The write decision, and the token still valid ``min_ttl_s`` from now."""
+    if not write.allowed:
+        return write
+    remaining = claims.exp - now
+    if remaining < min_ttl_s:
+        return _refuse(
+            Denied(
+                f"token expires in {max(remaining, 0)} s, before the {min_ttl_s} s the caller needs",
+                expires_in_s=max(remaining, 0),
+                min_ttl_s=min_ttl_s,
+            )
+        )
+    return ALLOWED
+
+
+def _named_literally(claims: Claims, owner: str, repo: str, action: str) -> bool:
+    return any(g.owner_pattern == owner and g.allows(owner, repo, action) for g in claims.grants)
+
+
+# -- managing -----------------------------------------------------------------------------
+
+
+def can_manage_repo(
+    claims: Claims, owner: str, repo: str, *, platform_principal: bool, holder: str | None
+) -> Decision:
+    validate_owner(owner)
+    validate_repo(repo)
+    if is_reserved_owner(owner):
+        return root_gate(claims, owner, repo, platform_principal=platform_principal)
+    if claims.allows(owner, repo, ADMIN) or (holder == claims.sub and claims.allows(owner, repo, WRITE)):
+        return ALLOWED
+    return _refuse(
+        Denied(
+            f"managing {owner}/{repo} needs an admin grant on it, or holding owner '{owner}' with a write grant",
+            repo=f"{owner}/{repo}",
+        )
+    )
+
+
+def can_claim_owner(claims: Claims, slug: object) -> Decision:
+    validate_owner(slug)  # strict ASCII: look-alikes are invalid, never normalized
+    if is_reserved_owner(slug):
+        return _refuse(RootReserved(f"'{slug}' is a reserved owner: it can never be claimed", owner=slug))
+    if not claims.allows_owner(slug, OWNER_CREATE):
+        return _refuse(Denied(f"token grants no owner:create over '{slug}/*'", owner=slug))
+    return ALLOWED
+
+
+def is_admin(claims: Claims) -> Decision:
+    if any(ADMIN in g.actions and g.owner_pattern == g.repo_pattern == WILDCARD for g in claims.grants):
+        return ALLOWED
+    return _refuse(Denied("this route needs an admin token (a grant '*/*' with the admin action)"))
+
+
+# -- attenuating ----------------------------------------------------------------------------
+
+
+def can_attenuate(
+    parent: Claims, grants: tuple[Grant, ...], *, exp: int, plt: bool
+) -> Decision:
+    """A child with ``grants``, ``exp`` and ``plt`` must be no wider than ``parent`` in any part."""
+    wider = [f"grant {g.to_cli()}" for g in grants if not is_subset((g,), parent.grants)]
+    if exp > parent.exp:
+        wider.append(f"exp {exp} is later than the parent's {parent.exp}")
+    if plt and not parent.plt:
+        wider.append("plt (the parent is not a platform token)")
+    if not wider:
+        return ALLOWED
+    return _refuse(
+        Denied(f"the requested token is wider than its parent: {'; '.join(wider)}", wider=wider)
+    )
+
+

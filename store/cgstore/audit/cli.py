@@ -1,0 +1,130 @@
+"""``cgstore audit``: the audit log for an operator, read straight from the database.
+
+Like the other admin commands (``cgstore token mint``) it talks to
+``CGSTORE_DATABASE_URL`` directly, with the service's own settings: whoever
+can run it on the store's host can read the database anyway, and it keeps
+working while the HTTP side is down or flooded. (Remote admins use
+``GET /v1/audit`` with a ``*/*:admin`` token; the JSON lines printed here are
+exactly that endpoint's entries.)
+
+Without ``--follow`` it prints the newest ``--limit`` matching entries, oldest
+first; ``--follow`` then keeps polling for newer ones until interrupted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Sequence
+from typing import Annotated
+
+import typer
+from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
+from rich.console import Console
+from rich.table import Table
+
+from cgstore.audit import service
+from cgstore.core.db import Database, utcnow
+
+
+def parse_moment(text: str, parse_duration) -> dt.datetime:
+    """An ISO 8601 time (UTC unless it says otherwise), or a duration ago: ``15m``, ``2h``, ``7d``."""
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError:
+        return utcnow() - dt.timedelta(seconds=parse_duration(text))
+    return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
+
+
+def audit_command(parse_duration):
+    """The typer command, built around the CLI's shared duration parser."""
+
+    def moment(text: str | None) -> dt.datetime | None:
+        return None if text is None else parse_moment(text, parse_duration)
+
+    def audit(
+        actor: Annotated[str | None, typer.Option(help="Only entries by this principal ('-': no valid token).")] = None,
+        jti: Annotated[str | None, typer.Option(help="Only entries made with this token id.")] = None,
+        repo: Annotated[str | None, typer.Option(help="Only entries about owner/repo.")] = None,
+        action: Annotated[str | None, typer.Option(help="Exact action, or a prefix ending in '*' (token.*).")] = None,
+        outcome: Annotated[str | None, typer.Option(help="ok, or an error code (DENIED, TOKEN_INVALID, ...).")] = None,
+        source: Annotated[str | None, typer.Option(help="Only entries from this client address.")] = None,
+        since: Annotated[str | None, typer.Option(help="ISO time or a duration ago (15m, 2h, 7d).")] = None,
+        until: Annotated[str | None, typer.Option(help="ISO time or a duration ago.")] = None,
+        limit: Annotated[int, typer.Option(min=1, max=MAX_AUDIT_PAGE, help="How many of the newest to show.")] = 50,
+        json_lines: Annotated[bool, typer.Option("--json", help="One JSON object per line (GET /v1/audit's entries).")] = False,
+        follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new entries until Ctrl-C.")] = False,
+        interval: Annotated[float, typer.Option(min=0.05, help="Seconds between polls with --follow.")] = 2.0,
+    ) -> None:
+        """Show the audit log: every mutation and every denial, filtered."""
+        from cgstore.settings import Settings
+
+        where = service.AuditFilter(
+            actor=actor, jti=jti, repo=repo, action=action, outcome=outcome, source=source,
+            since=moment(since), until=moment(until),
+        )
+        db = Database(Settings().resolved_database_url)
+        show = _print_json if json_lines else _print_table
+        try:
+            with db.session() as session:
+                newest, _ = service.list_events(session, where, limit=limit, newest_first=True)
+                entries = [service.to_entry(event) for event in reversed(newest)]
+            show(entries, header=True)
+            last = entries[-1].id if entries else _last_id(db)
+            while follow:
+                time.sleep(interval)
+                last = _print_newer(db, where, last, show)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            db.dispose()
+
+    return audit
+
+
+def _last_id(db: Database) -> int:
+    """Where following starts when nothing matched yet: after everything already logged."""
+    with db.session() as session:
+        events, _ = service.list_events(session, service.AuditFilter(), limit=1, newest_first=True)
+    return events[0].id if events else 0
+
+
+def _print_newer(db: Database, where: service.AuditFilter, last: int, show) -> int:
+    while True:
+        with db.session() as session:
+            events, more = service.list_events(session, where, after=last, limit=MAX_AUDIT_PAGE)
+            entries = [service.to_entry(event) for event in events]
+        if entries:
+            show(entries, header=False)
+            last = entries[-1].id
+        if more is None:
+            return last
+
+
+def _print_json(entries: Sequence[AuditEntry], header: bool) -> None:
+    for entry in entries:
+        typer.echo(entry.model_dump_json())
+
+
+def _print_table(entries: Sequence[AuditEntry], header: bool) -> None:
+    if not entries:
+        if header:
+            typer.echo("no matching audit entries")
+        return
+    table = Table(show_header=header, box=None, pad_edge=False)
+    for column in ("id", "at (UTC)", "actor", "action", "target", "outcome", "source", "count"):
+        table.add_column(column, overflow="fold")
+    for entry in entries:
+        table.add_row(
+            str(entry.id),
+            entry.at.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+            entry.actor,
+            entry.action,
+            entry.target,
+            entry.outcome,
+            entry.source or "",
+            str(entry.count),
+            style=None if entry.outcome == "ok" else "red",
+        )
+    # markup off: stored strings are shown as they are, never interpreted.
+    Console(markup=False, highlight=False).print(table)

@@ -1,0 +1,49 @@
+"""HTTP endpoint of the audit log (PROTOCOL.md "Audit"): ``GET /v1/audit`` for admins. Thin."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Literal
+
+from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditPage
+from fastapi import APIRouter, Depends, Query
+from starlette.concurrency import run_in_threadpool
+
+from cgstore.audit import service
+from cgstore.tokens.dependencies import require_claims
+from cgstore.context import StoreContext, get_context
+from cgstore.tokens.claims import Claims
+
+router = APIRouter(prefix="/v1/audit", tags=["audit"])
+
+Text = Annotated[str | None, Query(max_length=1024)]
+
+
+@router.get("", response_model=AuditPage)
+async def list_audit(
+    actor: Text = None,
+    jti: Text = None,
+    repo: Text = None,
+    action: Text = None,
+    outcome: Text = None,
+    source: Text = None,
+    since: dt.datetime | None = None,
+    until: dt.datetime | None = None,
+    cursor: Annotated[str | None, Query(max_length=32)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_AUDIT_PAGE)] = service.DEFAULT_PAGE,
+    order: Literal["asc", "desc"] = "asc",
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
+) -> AuditPage:
+    where = service.AuditFilter(
+        actor=actor, jti=jti, repo=repo, action=action, outcome=outcome, source=source,
+        since=_utc(since), until=_utc(until),
+    )
+    return await run_in_threadpool(service.read_page, ctx.db, claims, where, cursor, limit, order == "desc")
+
+
+def _utc(moment: dt.datetime | None) -> dt.datetime | None:
+    """A time without an offset is read as UTC (the log's own zone)."""
+    if moment is not None and moment.tzinfo is None:
+        return moment.replace(tzinfo=dt.UTC)
+    return moment

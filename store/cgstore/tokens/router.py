@@ -1,0 +1,102 @@
+"""HTTP endpoints of the token lifecycle and the key ring (PROTOCOL.md, "Tokens"). Thin.
+
+``/tokens`` (mint, list, revoke) need an admin token; ``/tokens/attenuate`` is
+called with the parent token itself; ``/keys`` (the JWKS) needs no token, like
+the capabilities. No answer ever carries a private key, and only a mint or an
+attenuation answer carries a signed token (the new one).
+"""
+
+from __future__ import annotations
+
+from cgstore_client.wire.tokens import (
+    AttenuateRequest,
+    GrantSpec,
+    Jwk,
+    Jwks,
+    MintRequest,
+    MintResponse,
+    RevokeResponse,
+    TokenInfo,
+    TokenList,
+)
+from fastapi import APIRouter, Depends, Query, Request
+from starlette.concurrency import run_in_threadpool
+
+from cgstore.access import is_admin
+from cgstore.context import StoreContext, get_context
+from cgstore.core.http import read_json
+from cgstore.tokens import service
+from cgstore.tokens.claims import MAX_SUB_LEN, Claims
+from cgstore.tokens.dependencies import require_claims
+
+router = APIRouter(prefix="/v1", tags=["tokens"])
+
+
+@router.post("/tokens", status_code=201, response_model=MintResponse)
+async def mint_token(
+    request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
+) -> MintResponse:
+    is_admin(claims).enforce()
+    body = await read_json(request, MintRequest, ctx.settings.max_json_bytes)
+    minted = await run_in_threadpool(
+        ctx.tokens.mint, body.sub, _grants(body.grants), body.ttl_s, body.platform, actor=claims
+    )
+    return MintResponse(token=minted.token, jti=minted.jti, exp=minted.exp)
+
+
+@router.post("/tokens/attenuate", status_code=201, response_model=MintResponse)
+async def attenuate_token(
+    request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
+) -> MintResponse:
+    body = await read_json(request, AttenuateRequest, ctx.settings.max_json_bytes)
+    minted = await run_in_threadpool(ctx.tokens.attenuate, claims, _grants(body.grants), body.ttl_s, body.platform)
+    return MintResponse(token=minted.token, jti=minted.jti, exp=minted.exp)
+
+
+@router.get("/tokens", response_model=TokenList)
+async def list_tokens(
+    sub: str | None = Query(None, max_length=MAX_SUB_LEN),
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
+) -> TokenList:
+    is_admin(claims).enforce()
+    infos = await run_in_threadpool(ctx.tokens.list_tokens, sub)
+    return TokenList(tokens=[_info(info) for info in infos])
+
+
+@router.delete("/tokens/{jti}", response_model=RevokeResponse)
+async def revoke_token(
+    jti: str, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
+) -> RevokeResponse:
+    is_admin(claims).enforce()
+    revoked = await run_in_threadpool(ctx.tokens.revoke, jti, actor=claims)
+    return RevokeResponse(revoked=revoked)
+
+
+@router.get("/keys", response_model=Jwks)
+async def keys(ctx: StoreContext = Depends(get_context)) -> Jwks:
+    jwks = await run_in_threadpool(_jwks, ctx)
+    return Jwks(keys=[Jwk(**key) for key in jwks])
+
+
+def _jwks(ctx: StoreContext) -> list[dict[str, str]]:
+    with ctx.db.session() as session:
+        return ctx.tokens.keys.jwks(session)
+
+
+def _grants(grants: list[GrantSpec]) -> list[dict]:
+    return [grant.model_dump() for grant in grants]
+
+
+def _info(info: service.TokenInfo) -> TokenInfo:
+    return TokenInfo(
+        jti=info.jti,
+        sub=info.sub,
+        parent=info.parent_jti,
+        platform=info.platform,
+        grants=[GrantSpec(**grant) for grant in info.grants],
+        issued_at=info.issued_at,
+        expires_at=info.expires_at,
+        revoked_at=info.revoked_at,
+        status=info.status,
+    )
