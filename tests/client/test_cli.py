@@ -53,3 +53,29 @@ def test_a_refusal_is_exit_1_with_its_protocol_code(store, tmp_path):
     assert refused.exit_code == 1
     assert json.loads(refused.output)["error"] == {
         "type": "NotFound", "code": "BLOB_UNKNOWN", "message": json.loads(refused.output)["error"]["message"]}
+
+
+def test_publish_resolve_load_preflight(store, pt2_archive, tmp_path):
+    import shutil
+
+    from cgstore_client.archive import inspect
+    from cgstore_client.mint import derived_constants_path
+
+    archive = tmp_path / "model.pt2"
+    shutil.copy(pt2_archive, archive)
+    shutil.copy(derived_constants_path(pt2_archive), derived_constants_path(archive))
+    repo = f"acme/{unique_repo()}"
+    token = store.mint("mint-child", f"{repo}:read,write")
+    assert json.loads(run(store, token, tmp_path / "c", "preflight", repo, "--json").output) == {"repo": repo, "ok": True}
+    args = ["--family", "cli-family", "--envelope", '{"shapes": [[64, 64]], "text_len": 0}',
+            "--sm", inspect(archive).sm, "--toolchain", '{"torch": "2.13.0"}', "--json"]
+    published = json.loads(run(store, token, tmp_path / "c", "publish", repo, str(archive), *args).output)
+    assert published["status"] == "created"
+    key = published["key"]
+    assert json.loads(run(store, token, tmp_path / "c", "publish", repo, str(archive), *args).output)["status"] == "exists"
+    (answer,) = json.loads(run(store, token, tmp_path / "c", "resolve", "cli-family", key, "--json").output)
+    assert (answer["key"], answer["status"], answer["repo"]) == (key, "hit", repo)
+    (loaded,) = json.loads(run(store, token, tmp_path / "w", "load", "cli-family", key, "--mandatory", key, "--json").output)
+    assert loaded["status"] == "loaded" and open(loaded["artifact"], "rb").read() == archive.read_bytes()
+    missing = run(store, token, tmp_path / "w", "load", "cli-family", "ck1-" + "e" * 56, "--mandatory", "ck1-" + "e" * 56, "--json")
+    assert missing.exit_code == 1 and json.loads(missing.output)["error"]["type"] == "CompiledRequired"
