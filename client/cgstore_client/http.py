@@ -158,16 +158,12 @@ class Transport:
 
 @dataclass
 class Stream:
-    """An open blob body: ``status`` 200 or 206, ``start`` its first byte, ``total`` the blob size if known."""
+    """An open 200 or 206 blob body: ``start`` its first byte, ``total`` the blob size if known."""
 
     connection: http.client.HTTPConnection
     response: http.client.HTTPResponse
     start: int
     total: int | None
-
-    @property
-    def status(self) -> int:
-        return self.response.status
 
     def readinto(self, buffer: memoryview) -> int:
         try:
