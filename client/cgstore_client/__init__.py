@@ -8,8 +8,8 @@ compiled graph) and ``loader`` (binding constants by name) need the ``torch``
 extra and are never imported from here.
 """
 
-from cgstore_client.boot import Want
-from cgstore_client.client import Client
+from cgstore_client.boot import Eager, Loaded, Want
+from cgstore_client.client import Client, Published
 from cgstore_client.errors import (
     CgstoreError,
     CompiledRequired,
@@ -33,10 +33,13 @@ __all__ = [
     "CompiledRequired",
     "Conflict",
     "Denied",
+    "Eager",
     "InsufficientSpace",
     "IntegrityError",
+    "Loaded",
     "NotFound",
     "Offline",
+    "Published",
     "Refused",
     "StoreError",
     "Unauthorized",
