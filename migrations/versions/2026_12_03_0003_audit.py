@@ -23,7 +23,7 @@ down_revision = "0002_trust"
 branch_labels = None
 depends_on = None
 
-_NEW_INDEXES = ["jti", "action", "repo", "outcome", "source"]
+_NEW_INDEXES = ["jti", "action", "target", "repo", "outcome", "source"]
 
 _PG_FUNCTION = """
 CREATE FUNCTION audit_events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$

@@ -18,7 +18,9 @@ from cgstore.blobs import service as blobs_service
 from cgstore.blobs.router import router as blobs_router
 from cgstore.context import StoreContext
 from cgstore.core.db import Database
-from cgstore.core.http import install_error_handlers
+from cgstore.compiled_graphs.router import repo_router as compiled_graphs_router
+from cgstore.compiled_graphs.router import resolve_router as compiled_graphs_resolve_router
+from cgstore.core.http import install_error_handlers, install_request_schemas
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.core.private import private_dir
 from cgstore.health.router import router as health_router
@@ -99,6 +101,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     # Each router carries its prefix: with FastAPI 0.165 a prefix given here would
     # leave route.path relative, and metrics and the audit label requests by it.
-    for router in (health_router, tokens_router, owners_router, repos_router, blobs_router, audit_router):
+    for router in (health_router, tokens_router, owners_router, repos_router, blobs_router, audit_router,
+                   compiled_graphs_router, compiled_graphs_resolve_router):
         app.include_router(router)
+    install_request_schemas(app)
     return app

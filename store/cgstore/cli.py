@@ -1,9 +1,9 @@
-"""The ``cgstore`` command: serve, migrate, tokens and the key ring, reclaim abandoned uploads, read the audit log.
+"""The ``cgstore`` command: serve, migrate, tokens and the key ring, principals, uploads, the audit log.
 
-The token and key commands work on the database directly (an operator on the
-store's host); every change they make is audited with actor ``cli``, in the
-same transaction. They never print a private key, and print a token only when
-they mint it.
+The token, key and principal commands work on the database directly (an
+operator on the store's host); every change they make is audited with actor
+``cli``, in the same transaction. They never print a private key, and print a
+token only when they mint it.
 """
 
 from __future__ import annotations

@@ -54,19 +54,26 @@ def test_non_admins_are_denied_and_audited(store):
 def test_filters(store, admin, activity):
     name, other, digest = activity
     with store.client(admin) as client:
-        mine = _page(client, repo=f"acme/{name}").entries
-        assert [(e.actor, e.action, e.outcome) for e in mine] == [
+        everything = _page(client, repo=f"acme/{name}").entries
+        assert [(e.actor, e.action, e.outcome) for e in everything] == [
+            ("alice", "repo.create", "ok"),  # the mount's first write created it
             ("alice", "blob.mount", "ok"),
             *[("mallory", "PUT /v1/repos/{owner}/{repo}/blobs/{digest}", "DENIED")] * 3,
         ]
-        assert mine[0].target == f"acme/{name}@{digest}" and mine[0].detail["source"] == f"acme/{other}"
-        assert mine[0].jti and mine[-1].source == "127.0.0.1" and all(e.count == 1 for e in mine)
+        mount = everything[1]
+        assert mount.target == f"acme/{name}@{digest}" and mount.detail["source"] == f"acme/{other}"
+        assert mount.jti and everything[-1].source == "127.0.0.1" and all(e.count == 1 for e in everything)
         assert [e.outcome for e in _page(client, repo=f"acme/{name}", outcome="DENIED").entries] == ["DENIED"] * 3
-        assert [e.action for e in _page(client, repo=f"acme/{other}", actor="alice").entries] == ["blob.upload"]
-        assert _page(client, repo=f"acme/{name}", actor="alice", action="blob.*").entries == mine[:1]
+        assert [e.action for e in _page(client, repo=f"acme/{other}", actor="alice").entries] == [
+            "repo.create", "blob.upload",
+        ]
+        assert _page(client, repo=f"acme/{name}", actor="alice", action="blob.*").entries == [mount]
         assert _page(client, repo=f"acme/{name}", action="blob.upload").entries == []
-        assert _page(client, repo=f"acme/{name}", jti=mine[0].jti).entries == mine[:1]
-
+        assert _page(client, repo=f"acme/{name}", jti=mount.jti).entries == everything[:2]
+        assert _page(client, target=f"acme/{name}@*").entries == [mount]
+        assert _page(client, target=f"acme/{name}@{digest}").entries == [mount]
+        assert _page(client, target=f"acme/{name}@").entries == []  # exact unless it ends in '*'
+        assert len(_page(client, target=f"/v1/repos/acme/{name}/*").entries) == 3
 
 def test_time_range(store, admin, activity):
     name, _, _ = activity
@@ -95,7 +102,7 @@ def test_keyset_pages_cover_everything_once(store, admin, activity, order):
                 break
             cursor = page.next_cursor
     ids = [e.id for e in everything]
-    assert ids == sorted(ids, reverse=order == "desc") and len(ids) == 4
+    assert ids == sorted(ids, reverse=order == "desc") and len(ids) == 5
     assert [e.id for e in seen] == ids
 
 

@@ -1,7 +1,7 @@
 """Helpers of the attack tests: forging tokens with real and foreign keys, and reading the audit.
 
 Every attack test asserts two things: the refusal on the wire, and an audit row
-recording it (``audited``). Both run on both configurations (``store``).
+recording it (``tests.support.audit.audited``). Both run on both configurations (``store``).
 """
 
 from __future__ import annotations
@@ -12,31 +12,11 @@ import uuid
 
 import jwt
 import pytest
-from sqlalchemy import select
-
-from cgstore.audit.models import AuditEvent
 from tests.support.live_store import unique_repo
 
 
 def code(response) -> str:
     return response.json()["error"]["code"]
-
-
-def audited(store, outcome: str, *, target: str | None = None, jti: str | None = None) -> list[AuditEvent]:
-    """Audit rows with ``outcome`` whose target contains ``target`` and/or whose jti is ``jti``.
-
-    401s are counted in memory and written as one row per source and interval
-    (``audit/denials.py``): flush them first, and look for the target among the
-    aggregated row's paths too.
-    """
-    store.context.denials.flush()
-    with store.context.db.session() as session:
-        rows = session.scalars(select(AuditEvent).where(AuditEvent.outcome == outcome)).all()
-    return [
-        row for row in rows
-        if (target is None or target in row.target or any(target in p for p in (row.detail or {}).get("paths", [])))
-        and (jti is None or row.jti == jti)
-    ]
 
 
 def store_key(store):

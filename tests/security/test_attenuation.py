@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.security.conftest import audited, code, decode_unverified
+from tests.security.conftest import code, decode_unverified
+from tests.support.audit import audited
 from tests.support.live_store import unique_repo
 
 

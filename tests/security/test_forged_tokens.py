@@ -19,7 +19,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from cgstore.tokens.keys import key_id
 from cgstore.tokens.service import TokenService
-from tests.security.conftest import audited, b64, b64json, code, decode_unverified, payload, sign, store_key
+from tests.security.conftest import b64, b64json, code, decode_unverified, payload, sign, store_key
+from tests.support.audit import audited
 
 
 def refused(store, target, token: str, reason: str) -> None:

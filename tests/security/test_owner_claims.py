@@ -15,7 +15,8 @@ import pytest
 from cgstore.audit.models import TARGET_LEN
 from cgstore.audit.service import clean
 from cgstore.core.names import RESERVED_OWNERS
-from tests.security.conftest import audited, code
+from tests.security.conftest import code
+from tests.support.audit import audited
 
 
 def claimer(store):

@@ -12,7 +12,8 @@ import pytest
 
 from cgstore.access import LOCK_GRANT, LOCK_PLATFORM, LOCK_PLT
 from cgstore.owners.service import register_principal
-from tests.security.conftest import audited, code
+from tests.security.conftest import code
+from tests.support.audit import audited
 from tests.support.live_store import unique_repo
 
 DATA = b"a compiled graph only the platform may publish"

@@ -16,7 +16,8 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from tests.security.conftest import audited, code
+from tests.security.conftest import code
+from tests.support.audit import audited
 from tests.support.live_store import CONFIGURATIONS, unique_repo
 
 CGSTORE = [sys.executable, "-m", "cgstore.cli"]
@@ -36,6 +37,13 @@ def mint_over_http(live, admin: str, name: str) -> str:
     with live.client(admin) as client:
         answer = client.post("/v1/tokens", json=body)
     assert answer.status_code == 201, answer.text
+    return answer.json()["token"]
+
+
+def mint_over_http_admin(live, admin: str) -> str:
+    with live.client(admin) as client:
+        answer = client.post("/v1/tokens", json={"sub": "ops", "grants": [{"repo": "*/*", "actions": ["admin"]}], "ttl_s": 600})
+    assert answer.status_code == 201
     return answer.json()["token"]
 
 
@@ -83,13 +91,6 @@ def test_rotate_and_retire_without_restart(make_store, configuration):
     listing = cli(live, "keys", "list")
     assert kid1 in listing and kid2 in listing and "-----BEGIN" not in listing
     assert audited(live, "ok", target=kid2) and audited(live, "ok", target=kid1)  # key.rotate, key.retire
-
-
-def mint_over_http_admin(live, admin: str) -> str:
-    with live.client(admin) as client:
-        answer = client.post("/v1/tokens", json={"sub": "ops", "grants": [{"repo": "*/*", "actions": ["admin"]}], "ttl_s": 600})
-    assert answer.status_code == 201
-    return answer.json()["token"]
 
 
 def test_a_token_verifies_with_only_the_jwks(store):

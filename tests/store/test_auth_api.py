@@ -8,10 +8,11 @@ import blake3
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import select
 
 from cgstore.audit.models import AuditEvent
 from cgstore.tokens.service import TokenService
+from tests.support.audit import audited as support_audited
+from tests.support.audit import flush_denials
 from tests.support.live_store import unique_repo
 
 DATA = b"cap-token protected bytes"
@@ -23,10 +24,7 @@ def code(response) -> str:
 
 
 def audited(store, outcome: str, target_part: str) -> list[AuditEvent]:
-    store.context.denials.flush()  # 401s are aggregated in memory until the next interval
-    with store.context.db.session() as session:
-        rows = session.scalars(select(AuditEvent).where(AuditEvent.outcome == outcome)).all()
-    return [row for row in rows if target_part in row.target or target_part in str(row.detail.get("paths", ""))]
+    return support_audited(store, outcome, target=target_part)
 
 
 @pytest.fixture
@@ -72,7 +70,7 @@ def test_forged_token_is_token_invalid_and_audited(store, owned):
     claims = jwt.decode(writer, options={"verify_signature": False})
     header = jwt.get_unverified_header(writer)
     forged = jwt.encode(claims, Ed25519PrivateKey.generate(), algorithm="EdDSA", headers={"kid": header.get("kid")})
-    store.context.denials.flush()  # so this 401 opens its own aggregate row
+    flush_denials(store)  # so this 401 opens its own aggregate row
     with store.client(forged) as client:
         answer = client.get(f"/v1/repos/acme/{name}/blobs/{DIGEST}")
     assert answer.status_code == 401 and code(answer) == "TOKEN_INVALID"

@@ -1,8 +1,8 @@
 """Wire types of ``GET /v1/audit`` (PROTOCOL.md "Audit"): one entry, and one page of them.
 
-Strings in an entry are as stored: backslashes, control characters and lone
-surrogates escaped (``\\x00``), each cut to its column's bound with a
-``…[cut from N chars]`` marker. ``count`` is 1 except for aggregate rows of
+Strings in an entry are as stored: backslashes, control characters, non-ASCII
+and lone surrogates escaped (``\\x00``, ``\\u043e``), each cut to its column's
+bound with a ``…[cut from N chars]`` marker. ``count`` is 1 except for aggregate rows of
 repeated 401s (action ``auth``), where it is how many 401s the row stands for.
 """
 

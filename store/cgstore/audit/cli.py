@@ -47,6 +47,7 @@ def audit_command(parse_duration):
         jti: Annotated[str | None, typer.Option(help="Only entries made with this token id.")] = None,
         repo: Annotated[str | None, typer.Option(help="Only entries about owner/repo.")] = None,
         action: Annotated[str | None, typer.Option(help="Exact action, or a prefix ending in '*' (token.*).")] = None,
+        target: Annotated[str | None, typer.Option(help="Exact target, or a prefix ending in '*' (acme/models@*).")] = None,
         outcome: Annotated[str | None, typer.Option(help="ok, or an error code (DENIED, TOKEN_INVALID, ...).")] = None,
         source: Annotated[str | None, typer.Option(help="Only entries from this client address.")] = None,
         since: Annotated[str | None, typer.Option(help="ISO time or a duration ago (15m, 2h, 7d).")] = None,
@@ -60,7 +61,7 @@ def audit_command(parse_duration):
         from cgstore.settings import Settings
 
         where = service.AuditFilter(
-            actor=actor, jti=jti, repo=repo, action=action, outcome=outcome, source=source,
+            actor=actor, jti=jti, repo=repo, action=action, target=target, outcome=outcome, source=source,
             since=moment(since), until=moment(until),
         )
         db = Database(Settings().resolved_database_url)

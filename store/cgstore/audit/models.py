@@ -51,7 +51,7 @@ class AuditEvent(Base):
     actor: Mapped[str] = mapped_column(String(ACTOR_LEN), nullable=False, index=True)
     jti: Mapped[str | None] = mapped_column(String(JTI_LEN), nullable=True, index=True)
     action: Mapped[str] = mapped_column(String(ACTION_LEN), nullable=False, index=True)
-    target: Mapped[str] = mapped_column(String(TARGET_LEN), nullable=False)
+    target: Mapped[str] = mapped_column(String(TARGET_LEN), nullable=False, index=True)
     repo: Mapped[str | None] = mapped_column(String(REPO_LEN), nullable=True, index=True)
     outcome: Mapped[str] = mapped_column(String(OUTCOME_LEN), nullable=False, index=True)
     source: Mapped[str | None] = mapped_column(String(SOURCE_LEN), nullable=True, index=True)

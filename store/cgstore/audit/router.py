@@ -10,9 +10,9 @@ from fastapi import APIRouter, Depends, Query
 from starlette.concurrency import run_in_threadpool
 
 from cgstore.audit import service
-from cgstore.tokens.dependencies import require_claims
 from cgstore.context import StoreContext, get_context
 from cgstore.tokens.claims import Claims
+from cgstore.tokens.dependencies import require_claims
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"])
 
@@ -25,6 +25,7 @@ async def list_audit(
     jti: Text = None,
     repo: Text = None,
     action: Text = None,
+    target: Text = None,
     outcome: Text = None,
     source: Text = None,
     since: dt.datetime | None = None,
@@ -36,7 +37,7 @@ async def list_audit(
     ctx: StoreContext = Depends(get_context),
 ) -> AuditPage:
     where = service.AuditFilter(
-        actor=actor, jti=jti, repo=repo, action=action, outcome=outcome, source=source,
+        actor=actor, jti=jti, repo=repo, action=action, target=target, outcome=outcome, source=source,
         since=_utc(since), until=_utc(until),
     )
     return await run_in_threadpool(service.read_page, ctx.db, claims, where, cursor, limit, order == "desc")

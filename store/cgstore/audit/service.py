@@ -7,10 +7,11 @@ because the refused request's own work is rolled back. Repeated 401s are
 not written one by one: ``audit.denials`` aggregates them.
 
 Every string is stored through ``clean``: backslashes, control characters
-(NUL included) and lone surrogates are escaped (``\\x00``, ``\\ud800``), and
-the result is cut to its column's bound with a marker. PostgreSQL refuses NUL
-in text and surrogates in UTF-8, so without this a hostile path would make the
-insert fail and the denial would go unrecorded.
+(NUL included), every non-ASCII character and lone surrogates are escaped
+(``\\x00``, ``\\u043e``, ``\\ud800``), and the result is cut to its column's
+bound with a marker. PostgreSQL refuses NUL in text and surrogates in UTF-8,
+so without this a hostile path would make the insert fail and the denial
+would go unrecorded.
 
 Reading: ``list_events`` filters on the indexed columns and pages by id (keyset).
 There is deliberately no update or delete here (the migration adds triggers
@@ -174,14 +175,16 @@ def record_denial(db: Database, **fields: Any) -> None:
 class AuditFilter:
     """What ``GET /v1/audit`` and ``cgstore audit`` select. ``None`` means "any".
 
-    ``action`` ending in ``*`` matches by prefix (``token.*``); every other
-    filter matches exactly, compared in the stored (cleaned) form.
+    ``action`` and ``target`` ending in ``*`` match by prefix (``token.*``,
+    ``acme/models@*``); every other filter matches exactly. Values are
+    compared in the stored (cleaned) form.
     """
 
     actor: str | None = None
     jti: str | None = None
     repo: str | None = None
     action: str | None = None
+    target: str | None = None
     outcome: str | None = None
     source: str | None = None
     since: dt.datetime | None = None
@@ -212,11 +215,14 @@ def list_events(
     ):
         if value is not None:
             query = query.where(column == clean(value, bound))
-    if where.action is not None:
-        if where.action.endswith("*"):
-            query = query.where(AuditEvent.action.startswith(clean(where.action[:-1], ACTION_LEN), autoescape=True))
-        else:
-            query = query.where(AuditEvent.action == clean(where.action, ACTION_LEN))
+    for column, value, bound in (
+        (AuditEvent.action, where.action, ACTION_LEN),
+        (AuditEvent.target, where.target, TARGET_LEN),
+    ):
+        if value is not None and value.endswith("*"):
+            query = query.where(column.startswith(clean(value[:-1], bound), autoescape=True))
+        elif value is not None:
+            query = query.where(column == clean(value, bound))
     if where.since is not None:
         query = query.where(AuditEvent.at >= where.since)
     if where.until is not None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import DateTime, MetaData, create_engine, event, make_url
+from sqlalchemy import DateTime, MetaData, any_, bindparam, create_engine, event, make_url
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
@@ -130,6 +130,21 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def in_values(session: Session, column, values: list):
+    """``column IN values`` as one statement with a constant text, whatever ``len(values)``.
+
+    On PostgreSQL ``column = ANY(:array)``: one bound array instead of one
+    placeholder per value, so neither SQLAlchemy nor the driver re-renders and
+    re-parses a 256-placeholder statement on every call. SQLite has no arrays:
+    an expanding IN there.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import ARRAY
+
+        return column == any_(bindparam(None, list(values), type_=ARRAY(column.type)))
+    return column.in_(list(values))
 
 
 def insert_ignoring_conflicts(session: Session, model: type[Base], **values) -> bool:

@@ -123,6 +123,77 @@ class Unavailable(StoreError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+class BlobReferenceUnknown(BlobUnknown):
+    """A manifest names a blob this repo does not hold: the request is wrong, not the URL (400)."""
+
+    status = 400
+
+
+# -- compiled-graph admission (PROTOCOL.md "Compiled graphs") ----------------------------
+
+
+class KeyInvalid(StoreError):
+    code, status = "KEY_INVALID", 400
+
+
+class KeyMismatch(StoreError):
+    code, status = "KEY_MISMATCH", 400
+
+
+class KeyConflict(StoreError):
+    code, status = "KEY_CONFLICT", 409
+
+
+class KindRetired(StoreError):
+    code, status = "KIND_RETIRED", 422
+
+
+class KindUnsupported(StoreError):
+    code, status = "KIND_UNSUPPORTED", 422
+
+
+class EnvelopeInvalid(StoreError):
+    code, status = "ENVELOPE_INVALID", 422
+
+
+class ArtifactInvalid(StoreError):
+    code, status = "ARTIFACT_INVALID", 422
+
+
+class GraphMismatch(StoreError):
+    code, status = "GRAPH_MISMATCH", 422
+
+
+class ContractMismatch(StoreError):
+    code, status = "CONTRACT_MISMATCH", 422
+
+
+class SmMismatch(StoreError):
+    code, status = "SM_MISMATCH", 422
+
+
+class MetadataInvalid(StoreError):
+    code, status = "METADATA_INVALID", 422
+
+
+#: The codes a client-package refusal (``ArchiveError``, ``ComponentInvalid``...) may carry.
+_CLIENT_CODES: dict[str, type[StoreError]] = {
+    cls.code: cls
+    for cls in (ArtifactInvalid, KindRetired, KindUnsupported, MetadataInvalid, SmMismatch,
+                GraphMismatch, ContractMismatch, EnvelopeInvalid)
+}
+
+
+def from_client_error(err: Exception, **detail: Any) -> StoreError:
+    """The store error for a refusal of the client package's contract code, by its ``code``.
+
+    Anything without a known code is an invalid artifact: a refusal of the
+    contract layer is always the input's fault, never a 500.
+    """
+    err_type = _CLIENT_CODES.get(getattr(err, "code", ""), ArtifactInvalid)
+    return err_type(str(err), reason=type(err).__name__, **detail)
+
+
 def hidden_miss(err_type: type[StoreError], message: str, **detail: Any) -> StoreError:
     """A miss identical to a real one on the wire, marked so it is audited as a denial."""
     err = err_type(message, **detail)

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import anyio
 import sqlalchemy.exc
+from cgstore_client.errors import CgstoreError
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -40,6 +41,7 @@ from cgstore.core.errors import (
     TooLarge,
     Unavailable,
     error_body,
+    from_client_error,
 )
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,12 @@ def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) ->
             # The cause (paths, endpoints) is for the operator's log, never the client's body.
             log.warning("unavailable: %s (%s)", err.message, err.__cause__)
         return error_response(err)
+
+    @app.exception_handler(CgstoreError)
+    async def contract_refusal(request: Request, err: CgstoreError) -> JSONResponse:
+        # A refusal of the client package's contract code (archive reader, key
+        # derivation) that a service did not translate itself: still its protocol code.
+        return error_response(from_client_error(err))
 
     @app.exception_handler(sqlalchemy.exc.OperationalError)
     @app.exception_handler(sqlalchemy.exc.InterfaceError)
@@ -121,6 +129,37 @@ async def read_json(request: Request, model: type[Model], max_bytes: int) -> Mod
         if isinstance(err, ValidationError):
             raise BadRequest("request body does not match the schema", errors=_plain_errors(err.errors())) from None
         raise BadRequest("request body is not valid JSON") from None
+
+
+#: Request bodies read with ``read_json`` (bounded) instead of FastAPI's unbounded body parameters.
+_REQUEST_MODELS: dict[str, type[BaseModel]] = {}
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` documenting ``model`` as a route's JSON body (the route reads it with ``read_json``)."""
+    _REQUEST_MODELS[model.__name__] = model
+    schema = {"$ref": _SCHEMA_REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def install_request_schemas(app: FastAPI) -> None:
+    """Add every ``json_body`` model (and the models it nests) to the served OpenAPI components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, model in _REQUEST_MODELS.items():
+                document = model.model_json_schema(ref_template=_SCHEMA_REF)
+                for nested, definition in document.pop("$defs", {}).items():
+                    schemas.setdefault(nested, definition)
+                schemas.setdefault(name, document)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 #: Longest decimal number accepted from a request (a header or a query): any

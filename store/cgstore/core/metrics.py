@@ -1,4 +1,4 @@
-"""Prometheus metrics: request counts and latencies, bytes in/out, open upload sessions.
+"""Prometheus metrics: requests, bytes, upload sessions, publish outcomes, resolve hits and misses.
 
 Collected by a pure ASGI middleware (it never buffers a streamed body) into a
 registry owned by the app, so several apps in one process don't collide.
@@ -29,6 +29,17 @@ class Metrics:
         self.bytes_out = Counter("cgstore_bytes_out_total", "Response body bytes sent.", registry=self.registry)
         self.upload_sessions_open = Gauge(
             "cgstore_upload_sessions_open", "Upload sessions open (not committed, cancelled or expired).",
+            registry=self.registry,
+        )
+
+        self.publishes = Counter(
+            "cgstore_publish_total",
+            "Compiled-graph publishes by outcome (created, exists, conflict, refused) and protocol code.",
+            ["outcome", "code"],
+            registry=self.registry,
+        )
+        self.resolve_answers = Counter(
+            "cgstore_resolve_answers_total", "Resolve answers per family: hit or miss.", ["family", "status"],
             registry=self.registry,
         )
 

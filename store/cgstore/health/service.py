@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 
+from cgstore_client.wire.records import MAX_RESOLVE_KEYS
+
 from cgstore.context import StoreContext
 
 log = logging.getLogger(__name__)
-
-MAX_RESOLVE_KEYS = 256
-
 
 def readiness(ctx: StoreContext) -> dict[str, str]:
     """``ok`` or a short reason, per dependency."""

@@ -110,6 +110,11 @@ class Storage(abc.ABC):
         """A short-lived URL to GET the blob directly from storage, if supported."""
         return None
 
+    def presigned_urls(self, digests: list[str], ttl_s: int) -> dict[str, str]:
+        """``presigned_url`` for many blobs at once (a resolve answer needs hundreds)."""
+        urls = {digest: self.presigned_url(digest, ttl_s) for digest in digests}
+        return {digest: url for digest, url in urls.items() if url is not None}
+
     @abc.abstractmethod
     def delete(self, digest: str) -> None:
         """Remove a blob (garbage collection). Absent is not an error."""

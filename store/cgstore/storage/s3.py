@@ -140,6 +140,7 @@ from cgstore.settings import parse_s3_url
 from cgstore.storage.base import BlobWriter, StagedUpload, StageWriter, Storage
 from cgstore.storage import hashing
 from cgstore.storage.hashing import READ_CHUNK_BYTES, StreamVerifier, check_range, check_session_id
+from cgstore.storage.presign import presign_many
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +308,7 @@ class S3Storage(Storage):
             )
         else:
             self.presign_client = self.client
+        self._credentials = session.get_credentials()
 
     @classmethod
     def from_settings(cls, settings) -> S3Storage:
@@ -379,6 +381,14 @@ class S3Storage(Storage):
             return self.presign_client.generate_presigned_url(
                 "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=ttl_s
             )
+
+    def presigned_urls(self, digests: list[str], ttl_s: int) -> dict[str, str]:
+        unique = list(dict.fromkeys(digests))
+        with _s3_errors("presign"):
+            urls = presign_many(
+                self.presign_client, self._credentials, self.bucket, [self.blob_key(d) for d in unique], ttl_s
+            )
+        return dict(zip(unique, urls))
 
     def delete(self, digest: str) -> None:
         key = self.blob_key(digest)

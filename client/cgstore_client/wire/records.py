@@ -1,0 +1,220 @@
+"""Compiled-graph records on the wire (PROTOCOL.md "Compiled graphs").
+
+``Manifest`` is what a mint child PUTs; ``Record`` is what a GET answers;
+``ResolveRequest``/``ResolveAnswer`` are the booting worker's one round trip.
+Fields the store must judge itself (kind, format, the envelope document) are
+plain strings and objects here, so a bad value reaches admission and gets its
+protocol code (``KIND_RETIRED``, ``ENVELOPE_INVALID``...) instead of a schema
+error. Limits are defined here, once: the store enforces them and the client
+splits its requests by them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Keys per resolve request.
+MAX_RESOLVE_KEYS = 256
+#: Records per page of a listing.
+MAX_LIST_LIMIT = 1000
+#: Default page size of a listing.
+DEFAULT_LIST_LIMIT = 100
+#: Named components per record.
+MAX_COMPONENTS = 64
+#: Longest yank reason kept.
+MAX_REASON_CHARS = 1000
+
+_DIGEST = Field(min_length=71, max_length=71)
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Artifact(_Wire):
+    """The ``.pt2`` blob a record points at."""
+
+    digest: str = _DIGEST
+    size: int = Field(ge=0)
+
+
+class ComponentRef(_Wire):
+    """A named CAS component (a safetensors blob in the same repo) the record binds constants from."""
+
+    name: str = Field(min_length=1, max_length=128)
+    digest: str = _DIGEST
+    size: int = Field(ge=0)
+
+
+class ToolchainAxis(_Wire):
+    """The compiler stack: keyed ``components`` and forensics-only ``recorded`` versions."""
+
+    components: dict[str, str]
+    recorded: dict[str, str] = Field(default_factory=dict)
+
+
+class Axes(_Wire):
+    """The four key axes: the ck1 key is recomputed from these on admission."""
+
+    graph: str = Field(max_length=100)
+    envelope: dict[str, Any]
+    sm: str = Field(max_length=128)
+    toolchain: ToolchainAxis
+
+
+class LayoutStamp(_Wire):
+    """How weights exist on disk. ``display`` is stored, never parsed; identity is the digest pair."""
+
+    display: str = Field(max_length=200)
+    topology: str = _DIGEST
+    quant: str = _DIGEST
+
+
+class Evidence(_Wire):
+    """Timings measured at mint: ride the record, never the (byte-identical) archive."""
+
+    kernel_lane_evidence: dict[str, Any] | None = None
+    mint_phases: dict[str, Any] | None = None
+
+
+class Manifest(_Wire):
+    """The body of ``PUT /v1/repos/{o}/{r}/compiled-graphs/{key}``."""
+
+    kind: str = Field(max_length=64)
+    format: str = Field(max_length=16)
+    family: str = Field(max_length=100)
+    lane: str = Field(max_length=64)
+    axes: Axes
+    artifact: Artifact
+    components: list[ComponentRef] = Field(default_factory=list, max_length=MAX_COMPONENTS)
+    layout: LayoutStamp | None = None
+    evidence: Evidence = Field(default_factory=Evidence)
+    #: Optional: when given, it must equal the contract derived from the archive.
+    input_contract: dict[str, Any] | None = None
+
+
+class Publisher(_Wire):
+    principal: str
+    jti: str | None
+
+
+class Yank(_Wire):
+    at: dt.datetime
+    by: str
+    reason: str
+
+
+class Binding(_Wire):
+    """One row of the record's binding table: a constant of the program and where its value comes from."""
+
+    name: str
+    fqn: str
+    kind: str
+    dtype: str | None = None
+    shape: list[int | str] | None = None
+    load_name: str | None = None
+    #: ``checkpoint`` (parameters and persistent buffers: the state_dict) or ``component:<name>``.
+    source: str
+
+
+class Record(_Wire):
+    """A published compiled graph: the manifest plus what admission derived and who published it."""
+
+    key: str
+    repo: str
+    manifest: Manifest
+    input_contract: dict[str, Any]
+    binding_table: list[Binding]
+    kernel_lane: dict[str, Any] | None
+    publisher: Publisher
+    created_at: dt.datetime
+    health: Literal["ok", "blob_missing", "blob_corrupt"] = "ok"
+    yank: Yank | None = None
+
+
+class PublishAnswer(_Wire):
+    """201 (created) or 200 (the same bytes were already published under this key)."""
+
+    status: Literal["created", "exists"]
+    key: str
+    repo: str
+    artifact: Artifact
+    #: A signed publish receipt, when the store issues them.
+    receipt: str | None = None
+
+
+class RecordPage(_Wire):
+    """One page of a repo's records; ``next_cursor`` is None on the last page."""
+
+    records: list[Record]
+    next_cursor: str | None = None
+
+
+class YankRequest(_Wire):
+    reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS)
+
+
+class ResolveRequest(_Wire):
+    family: str = Field(min_length=1, max_length=100)
+    keys: list[str] = Field(min_length=1, max_length=MAX_RESOLVE_KEYS)
+
+
+class DownloadRef(_Wire):
+    """A blob the worker downloads directly: a presigned storage URL, or the store's blob URL."""
+
+    digest: str
+    size: int
+    url: str
+
+
+class ComponentDownload(DownloadRef):
+    name: str
+
+
+class RecordFacts(_Wire):
+    """What a booting worker needs of a hit; the full record is one GET away (``href``).
+
+    Deliberately small (a resolve answers up to 256 of these): the kernel-lane
+    verdict, input contract and binding table travel inside the archive the
+    worker downloads anyway, and in the full record.
+    """
+
+    kind: str
+    format: str
+    family: str
+    lane: str
+    sm: str
+    graph: str
+    envelope_digest: str
+    toolchain_digest: str
+    layout: LayoutStamp | None
+    created_at: dt.datetime
+    href: str
+
+
+class ResolveHit(_Wire):
+    key: str
+    status: Literal["hit"] = "hit"
+    repo: str
+    record: RecordFacts
+    artifact: DownloadRef
+    components: list[ComponentDownload]
+
+
+class ResolveMiss(_Wire):
+    """A miss: identical whether the key is absent, yanked, unhealthy or held only where the caller cannot read."""
+
+    key: str
+    status: Literal["miss"] = "miss"
+
+
+ResolveItem = Annotated[ResolveHit | ResolveMiss, Field(discriminator="status")]
+
+
+class ResolveAnswer(_Wire):
+    """One answer per requested key, in request order (duplicates answered again)."""
+
+    answers: list[ResolveItem]

@@ -1,0 +1,261 @@
+"""Admission of a compiled-graph manifest, in PROTOCOL.md's order; no HTTP, no database writes.
+
+Every check uses the client package's contract code: the key is recomputed
+with ``cgstore_client.keys``, the archive is read with
+``cgstore_client.archive.inspect``, components with
+``cgstore_client.components``. One derivation, used when stamping, looking up
+and admitting.
+
+Order (the first failing step answers):
+
+1. key grammar (``KEY_INVALID``) and the key recomputed from the axes
+   (``KEY_MISMATCH``; an envelope that cannot be canonicalized, e.g. without
+   ``text_len``, is ``ENVELOPE_INVALID``: no key can be derived from it);
+2. kind and format (``KIND_RETIRED`` by name, else ``KIND_UNSUPPORTED``);
+3. family, lane, layout and component names (``NAME_INVALID``,
+   ``METADATA_INVALID`` for a malformed lane, ``DIGEST_INVALID``);
+4. (the caller checks the blobs are in the repo: ``BLOB_UNKNOWN``);
+5. the archive, read statically from a spooled temp file: structure, limits,
+   paths, weight- and pickle-freedom (``ARTIFACT_INVALID``), metadata
+   (``METADATA_INVALID``), then the measured graph digest (``GRAPH_MISMATCH``),
+   the derived input contract (``CONTRACT_MISMATCH``) and the device facts
+   against ``sm`` (``SM_MISMATCH``);
+6. components' safetensors headers against the program's constants
+   (``CONTRACT_MISMATCH`` naming the tensor), and the binding policy: every
+   constant comes from the checkpoint or a component (``ARTIFACT_INVALID``
+   naming the constants that come from neither).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cgstore_client.archive import DEFAULT_LIMITS, ArchiveError, ArchiveReport, inspect
+from cgstore_client.components import ComponentHeader, ComponentInvalid, header_length, read_header
+from cgstore_client.errors import EnvelopeError, KeyInvalid as ClientKeyInvalid, ToolchainError
+from cgstore_client.keys import Envelope, Toolchain, ck1, digest, is_digest, validate_key, validate_sm
+from cgstore_client.metadata import KIND_AOT_INDUCTOR, KIND_RETIRED_INDUCTOR_CACHE, is_lane
+from cgstore_client.wire.records import Manifest
+
+from cgstore.core.errors import (
+    ArtifactInvalid,
+    ContractMismatch,
+    DigestInvalid,
+    EnvelopeInvalid,
+    GraphMismatch,
+    KeyInvalid,
+    KeyMismatch,
+    KindRetired,
+    KindUnsupported,
+    MetadataInvalid,
+    NameInvalid,
+    SmMismatch,
+    from_client_error,
+)
+
+FORMAT_PT2 = "pt2"
+SOURCE_CHECKPOINT = "checkpoint"
+COMPONENT_SOURCE_PREFIX = "component:"
+_FAMILY_RE = re.compile(r"\A[a-z0-9][a-z0-9._-]{0,99}\Z", re.ASCII)
+_COMPONENT_NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9._-]{0,127}\Z", re.ASCII)
+#: Constants whose value the checkpoint (the state_dict) carries.
+_CHECKPOINT_KINDS = frozenset({"PARAMETER", "BUFFER"})
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What the manifest's axes canonicalize to."""
+
+    envelope: Envelope
+    toolchain: Toolchain
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What admission established about an archive and its components."""
+
+    report: ArchiveReport
+    binding_table: list[dict[str, Any]]
+
+
+# -- steps 1-3: the manifest alone ---------------------------------------------------------
+
+
+def check_manifest(key: str, manifest: Manifest) -> Derived:
+    """Steps 1-3: key grammar, key from the axes, kind, names. Raises the step's protocol error."""
+    try:
+        validate_key(key)
+    except ClientKeyInvalid as exc:
+        raise KeyInvalid(str(exc), key=key[:120]) from None
+    derived = _derive(manifest)
+    expected = ck1(manifest.axes.graph, derived.envelope, manifest.axes.sm, derived.toolchain)
+    if expected != key:
+        raise KeyMismatch("the key is not the one derived from the manifest's axes", key=key, derived=expected)
+    _check_kind(manifest)
+    _check_names(manifest)
+    return derived
+
+
+def _derive(manifest: Manifest) -> Derived:
+    axes = manifest.axes
+    try:
+        envelope = Envelope.from_dict(axes.envelope)
+    except EnvelopeError as exc:
+        raise EnvelopeInvalid(f"envelope: {exc}") from None
+    overlap = set(axes.toolchain.components) & set(axes.toolchain.recorded)
+    if overlap:
+        raise KeyMismatch(f"toolchain components named both keyed and recorded: {sorted(overlap)}")
+    try:
+        # One mapping, classified by the client: a keyed component sent as "recorded" is keyed anyway.
+        toolchain = Toolchain({**axes.toolchain.components, **axes.toolchain.recorded})
+        validate_sm(axes.sm)
+        if not is_digest(axes.graph):
+            raise ClientKeyInvalid(f"graph digest {axes.graph!r} is not 'blake3:' + 64 hex")
+    except (ToolchainError, ClientKeyInvalid, ValueError) as exc:
+        raise KeyMismatch(f"no key can be derived from the axes: {exc}") from None
+    return Derived(envelope, toolchain)
+
+
+def _check_kind(manifest: Manifest) -> None:
+    if manifest.kind == KIND_RETIRED_INDUCTOR_CACHE:
+        raise KindRetired(
+            f"kind {KIND_RETIRED_INDUCTOR_CACHE!r} is retired and refused; publish {KIND_AOT_INDUCTOR!r} (.pt2)",
+            kind=manifest.kind,
+        )
+    if manifest.kind != KIND_AOT_INDUCTOR:
+        raise KindUnsupported(f"kind {manifest.kind!r} is not accepted; only {KIND_AOT_INDUCTOR!r}", kind=manifest.kind)
+    if manifest.format != FORMAT_PT2:
+        raise KindUnsupported(f"format {manifest.format!r} is not accepted; only {FORMAT_PT2!r}", format=manifest.format)
+
+
+def _check_names(manifest: Manifest) -> None:
+    if not _FAMILY_RE.match(manifest.family):
+        raise NameInvalid("family must match [a-z0-9][a-z0-9._-]{0,99}", family=manifest.family)
+    if not is_lane(manifest.lane):
+        raise MetadataInvalid("lane must be <linear>+<modulation>", lane=manifest.lane)
+    digests = [manifest.artifact.digest, *(c.digest for c in manifest.components)]
+    if manifest.layout is not None:
+        digests += [manifest.layout.topology, manifest.layout.quant]
+    for value in digests:
+        if not is_digest(value):
+            raise DigestInvalid("digests are 'blake3:' + 64 lowercase hex", digest=value)
+    names = [component.name for component in manifest.components]
+    for name in names:
+        if not _COMPONENT_NAME_RE.match(name):
+            raise NameInvalid("component names match [a-z0-9][a-z0-9._-]{0,127}", component=name)
+    if len(set(names)) != len(names):
+        raise NameInvalid("component names must be unique within a record", components=names)
+
+
+def component_set_digest(components: list[tuple[str, str, int]]) -> str:
+    """Identity of a record's component set, compared on re-publish (same artifact AND same components)."""
+    return digest({"v": 1, "components": [list(c) for c in sorted(components)]})
+
+
+# -- step 5: the archive -------------------------------------------------------------------
+
+
+def inspect_stored(chunks: Iterator[bytes], size: int, spool_dir: str | None = None) -> ArchiveReport:
+    """Spool the stored artifact to a temp file (always removed) and read it statically.
+
+    Memory stays at one chunk whatever the archive's size; the reader's own
+    size limits apply before a byte is spooled.
+    """
+    if size > DEFAULT_LIMITS.max_archive_bytes:
+        raise ArtifactInvalid(f"archive of {size} bytes exceeds {DEFAULT_LIMITS.max_archive_bytes}", size=size)
+    fd, path = tempfile.mkstemp(prefix="cgstore-admit-", suffix=".pt2", dir=spool_dir)
+    try:
+        with os.fdopen(fd, "wb") as spool:
+            for chunk in chunks:
+                spool.write(chunk)
+        return inspect(path)
+    except ArchiveError as exc:
+        raise from_client_error(exc) from None
+    finally:
+        os.unlink(path)
+
+
+def check_archive(report: ArchiveReport, manifest: Manifest) -> None:
+    """Graph digest, declared input contract and sm, against what the archive says."""
+    if report.graph_digest != manifest.axes.graph:
+        raise GraphMismatch(
+            "the claimed graph digest is not the archive's", claimed=manifest.axes.graph, measured=report.graph_digest
+        )
+    if manifest.input_contract is not None and manifest.input_contract != report.input_contract:
+        raise ContractMismatch(
+            "the declared input contract differs from the one derived from the archive",
+            derived=report.input_contract,
+        )
+    if report.sm != manifest.axes.sm:
+        raise SmMismatch(
+            f"the archive was compiled for {report.sm!r}, the manifest says {manifest.axes.sm!r}",
+            measured=report.sm, claimed=manifest.axes.sm,
+        )
+
+
+# -- step 6: components and bindings ---------------------------------------------------------
+
+
+def component_header(name: str, read_range, size: int) -> ComponentHeader:
+    """The safetensors header of a component blob, read by two bounded ranges (never the tensors)."""
+    try:
+        prefix = b"".join(read_range(0, min(8, size)))
+        length = header_length(prefix, size)
+        return read_header(prefix + b"".join(read_range(8, 8 + length)), size)
+    except ComponentInvalid as exc:
+        raise ArtifactInvalid(f"component {name!r}: {exc}", component=name) from None
+
+
+def bind(report: ArchiveReport, headers: Mapping[str, ComponentHeader]) -> list[dict[str, Any]]:
+    """The record's binding table: every constant of the program and where its value comes from."""
+    constants = {row["fqn"]: row for row in report.binding_table}
+    from_component = _component_bindings(constants, headers)
+    table, unbound = [], []
+    for row in report.binding_table:
+        source = from_component.get(row["fqn"]) or (SOURCE_CHECKPOINT if _in_checkpoint(row) else None)
+        if source is None:
+            unbound.append(row["fqn"])
+            continue
+        table.append({
+            "name": row["name"], "fqn": row["fqn"], "kind": row["kind"], "dtype": row.get("dtype"),
+            "shape": row.get("shape"), "load_name": row.get("load_name"), "source": source,
+        })
+    if unbound:
+        raise ArtifactInvalid(
+            "constants whose value is in neither the checkpoint nor a component (a lifted tensor literal, "
+            f"a non-persistent buffer): {unbound}; bind each to a named component",
+            constants=unbound,
+        )
+    return table
+
+
+def _in_checkpoint(row: Mapping[str, Any]) -> bool:
+    # Parameters and persistent buffers are the state_dict; a non-persistent buffer is not in it.
+    return row["kind"] in _CHECKPOINT_KINDS and row.get("persistent", "true") == "true" and row["binding"] == "DYNAMIC"
+
+
+def _component_bindings(
+    constants: Mapping[str, Mapping[str, Any]], headers: Mapping[str, ComponentHeader]
+) -> dict[str, str]:
+    bound: dict[str, str] = {}
+    for name, header in headers.items():
+        for tensor in header.tensors:
+            row = constants.get(tensor.name)
+            where = {"component": name, "tensor": tensor.name}
+            if row is None or "dtype" not in row:
+                raise ContractMismatch(f"component {name!r}: {tensor.name!r} is not a constant of the program", **where)
+            if tensor.dtype != row["dtype"] or list(tensor.shape) != row["shape"]:
+                raise ContractMismatch(
+                    f"component {name!r}: {tensor.name!r} is {tensor.dtype}{list(tensor.shape)}, "
+                    f"the program declares {row['dtype']}{row['shape']}",
+                    **where, declared={"dtype": row["dtype"], "shape": row["shape"]},
+                )
+            if tensor.name in bound:
+                raise ContractMismatch(f"{tensor.name!r} is bound by two components", **where)
+            bound[tensor.name] = COMPONENT_SOURCE_PREFIX + name
+    return bound

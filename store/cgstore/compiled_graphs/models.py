@@ -1,0 +1,128 @@
+"""Tables of the compiled-graphs feature: records and the named components they bind.
+
+One *live* record per (repo, key): a partial unique index over the rows whose
+``yanked_at`` is NULL. A yanked record stays for audit, and the key can be
+published again. Resolve and listing read only live rows, through partial
+indexes, so their cost follows the number of keys asked or rows listed, not
+the size of the table.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, text
+from sqlalchemy.orm import Mapped, mapped_column
+
+from cgstore.core.db import Base, UTCDateTime, utcnow
+
+HEALTH_OK = "ok"
+HEALTH_STATES = (HEALTH_OK, "blob_missing", "blob_corrupt")
+
+_LIVE = text("yanked_at IS NULL")
+_RECORD_ID = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class CompiledGraph(Base):
+    """A published compiled graph: the manifest, what admission derived from the archive, who published it.
+
+    Columns:
+      id                    surrogate key; the listing cursor.
+      repo_id               the repo the record is published in.
+      key                   the ck1 key.
+      kind                  artifact kind (aot-inductor).
+      format                artifact format (pt2).
+      family                model family: discovery scope.
+      lane                  kernel lane <linear>+<modulation>.
+      sm                    GPU architecture or CPU ISA (key axis).
+      graph_digest          graph digest, measured from the archive (key axis).
+      envelope              canonical envelope document.
+      envelope_digest       digest of the envelope.
+      toolchain             canonical toolchain document.
+      toolchain_digest      digest of the toolchain.
+      recorded_versions     recorded-only versions (diffusers...), never hashed.
+      artifact_digest       the .pt2 blob.
+      artifact_size         its size in bytes.
+      component_set         digest of the sorted (name, digest, size) component list.
+      layout_display        layout stamp as displayed; never parsed.
+      layout_topology       layout topology digest.
+      layout_quant          layout quant digest.
+      input_contract        input contract derived from the archive.
+      binding_table         every constant and its source: checkpoint or component:<name>.
+      kernel_lane           kernel-lane verdict from the archive's metadata.
+      kernel_lane_evidence  lane timings measured at mint.
+      mint_phases           mint phase timings.
+      publisher             principal (token sub) that published.
+      publisher_jti         jti of the publishing token.
+      created_at            publish time.
+      yanked_at             when an admin yanked it (NULL: live).
+      yanked_by             who yanked it.
+      yank_reason           why.
+      health                ok | blob_missing | blob_corrupt (set by the scrub).
+    """
+
+    __tablename__ = "compiled_graphs"
+    __table_args__ = (
+        # Write-once: at most one live record per key in a repo.
+        Index("uq_compiled_graphs_live_key", "repo_id", "key", unique=True,
+              sqlite_where=_LIVE, postgresql_where=_LIVE),
+        # Resolve: key first (the worker asks by key), then family.
+        Index("ix_compiled_graphs_resolve", "key", "family", sqlite_where=_LIVE, postgresql_where=_LIVE),
+        # Listing: keyset pagination by id within a repo (optionally one family).
+        Index("ix_compiled_graphs_list", "repo_id", "id", sqlite_where=_LIVE, postgresql_where=_LIVE),
+        Index("ix_compiled_graphs_list_family", "repo_id", "family", "id",
+              sqlite_where=_LIVE, postgresql_where=_LIVE),
+    )
+
+    id: Mapped[int] = mapped_column(_RECORD_ID, primary_key=True, autoincrement=True)
+    repo_id: Mapped[int] = mapped_column(Integer, ForeignKey("repos.id", ondelete="CASCADE"), nullable=False)
+    key: Mapped[str] = mapped_column(String(96), nullable=False)
+    kind: Mapped[str] = mapped_column(String(32), nullable=False)
+    format: Mapped[str] = mapped_column(String(16), nullable=False)
+    family: Mapped[str] = mapped_column(String(100), nullable=False)
+    lane: Mapped[str] = mapped_column(String(64), nullable=False)
+    sm: Mapped[str] = mapped_column(String(128), nullable=False)
+    graph_digest: Mapped[str] = mapped_column(String(71), nullable=False)
+    envelope: Mapped[dict] = mapped_column(JSON, nullable=False)
+    envelope_digest: Mapped[str] = mapped_column(String(71), nullable=False)
+    toolchain: Mapped[dict] = mapped_column(JSON, nullable=False)
+    toolchain_digest: Mapped[str] = mapped_column(String(71), nullable=False)
+    recorded_versions: Mapped[dict] = mapped_column(JSON, nullable=False)
+    artifact_digest: Mapped[str] = mapped_column(String(71), ForeignKey("blobs.digest"), nullable=False)
+    artifact_size: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    component_set: Mapped[str] = mapped_column(String(71), nullable=False)
+    layout_display: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    layout_topology: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    layout_quant: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    input_contract: Mapped[dict] = mapped_column(JSON, nullable=False)
+    binding_table: Mapped[list] = mapped_column(JSON, nullable=False)
+    kernel_lane: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    kernel_lane_evidence: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    mint_phases: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    publisher: Mapped[str] = mapped_column(String(200), nullable=False)
+    publisher_jti: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
+    yanked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    yanked_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    yank_reason: Mapped[str | None] = mapped_column(String(1000), nullable=True)
+    health: Mapped[str] = mapped_column(String(16), nullable=False, default=HEALTH_OK)
+
+
+class CompiledGraphComponent(Base):
+    """A named CAS component a record binds (the blob is stored once, however many records share it).
+
+    Columns:
+      record_id  the record.
+      name       component name, unique per record.
+      digest     the safetensors blob.
+      size       its size in bytes.
+    """
+
+    __tablename__ = "compiled_graph_components"
+
+    record_id: Mapped[int] = mapped_column(
+        _RECORD_ID, ForeignKey("compiled_graphs.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(71), ForeignKey("blobs.digest"), nullable=False, index=True)
+    size: Mapped[int] = mapped_column(BigInteger, nullable=False)

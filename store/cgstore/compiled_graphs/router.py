@@ -1,0 +1,109 @@
+"""HTTP endpoints of the compiled-graphs capability (PROTOCOL.md "Compiled graphs"). Thin: parse, call, answer.
+
+Request and response bodies are the client package's wire types
+(``cgstore_client.wire.records``), so the served OpenAPI schema is exactly
+what the client parses.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from cgstore_client.wire.records import (
+    DEFAULT_LIST_LIMIT,
+    MAX_LIST_LIMIT,
+    Manifest,
+    PublishAnswer,
+    Record,
+    RecordPage,
+    ResolveAnswer,
+    ResolveRequest,
+    YankRequest,
+)
+
+from cgstore.compiled_graphs import service
+from cgstore.context import StoreContext, get_context
+from cgstore.core.http import json_body, read_json
+from cgstore.tokens.claims import Claims
+from cgstore.tokens.dependencies import require_claims
+
+repo_router = APIRouter(prefix="/v1/repos/{owner}/{repo}/compiled-graphs", tags=["compiled-graphs"])
+resolve_router = APIRouter(prefix="/v1", tags=["compiled-graphs"])
+
+_JSON = "application/json"
+
+
+def _json(model, status_code: int = 200) -> Response:
+    # Serialized straight from the wire model (already validated when built);
+    # the route's response_model still documents it in the OpenAPI schema.
+    return Response(model.model_dump_json(), status_code=status_code, media_type=_JSON)
+
+
+@repo_router.put(
+    "/{key}", response_model=PublishAnswer, status_code=201,
+    responses={200: {"model": PublishAnswer, "description": "the same bytes are already published under this key"}},
+    openapi_extra=json_body(Manifest),
+)
+async def publish(
+    owner: str, repo: str, key: str, request: Request,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    manifest = await read_json(request, Manifest, ctx.settings.max_json_bytes)
+    published = await run_in_threadpool(service.publish, ctx, claims, owner, repo, key, manifest)
+    return _json(published.answer, 201 if published.created else 200)
+
+
+@repo_router.get("/{key}", response_model=Record)
+async def get_record(
+    owner: str, repo: str, key: str,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    return _json(await run_in_threadpool(service.get_record, ctx, claims, owner, repo, key))
+
+
+@repo_router.get("", response_model=RecordPage)
+async def list_records(
+    owner: str, repo: str,
+    family: str | None = Query(None, max_length=100),
+    sm: str | None = Query(None, max_length=128),
+    lane: str | None = Query(None, max_length=64),
+    cursor: str | None = Query(None, max_length=40),
+    limit: int = Query(DEFAULT_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    page = await run_in_threadpool(
+        service.list_records, ctx, claims, owner, repo, family=family, sm=sm, lane=lane, cursor=cursor, limit=limit
+    )
+    return _json(page)
+
+
+@repo_router.post("/{key}:yank", response_model=Record, openapi_extra=json_body(YankRequest))
+async def yank(
+    owner: str, repo: str, key: str, request: Request,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    body = await read_json(request, YankRequest, ctx.settings.max_json_bytes)
+    return _json(await run_in_threadpool(service.yank, ctx, claims, owner, repo, key, body.reason))
+
+
+@resolve_router.post("/compiled-graphs:resolve", response_model=ResolveAnswer, openapi_extra=json_body(ResolveRequest))
+async def resolve(
+    request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    query = await read_json(request, ResolveRequest, ctx.settings.max_json_bytes)
+    urls_for = _url_builder(ctx, str(request.base_url).rstrip("/"))
+    return _json(await run_in_threadpool(service.resolve, ctx, claims, query, urls_for))
+
+
+def _url_builder(ctx: StoreContext, base_url: str) -> service.UrlsFor:
+    """Presigned storage URLs when the backend redirects downloads, else the store's own blob URL."""
+    if ctx.settings.redirect_downloads and ctx.storage.supports_presign:
+        ttl = ctx.settings.presign_ttl_s
+
+        def presigned(refs: list[service.BlobRef]) -> dict[service.BlobRef, str]:
+            by_digest = ctx.storage.presigned_urls([digest for _, _, digest in refs], ttl)
+            return {ref: by_digest[ref[2]] for ref in refs}
+
+        return presigned
+    return lambda refs: {ref: f"{base_url}/v1/repos/{ref[0]}/{ref[1]}/blobs/{ref[2]}" for ref in refs}

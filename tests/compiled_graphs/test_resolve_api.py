@@ -1,0 +1,260 @@
+"""Batch resolve, read, list and yank (PROTOCOL.md "Compiled graphs"), on both configurations."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from sqlalchemy import event, select
+
+from cgstore.audit.models import AuditEvent
+
+from cgstore_client.wire.records import MAX_RESOLVE_KEYS, Record, RecordPage, ResolveAnswer
+from tests.compiled_graphs.support import FAMILY, error_code, publication, publish
+from tests.support.live_store import unique_repo
+
+
+@pytest.fixture
+def published(store, pt2_archive, report_a, constants_a):
+    """Archive A published in a fresh tenant repo ``acme/<name>``; returns (name, token, publication)."""
+    name = unique_repo()
+    token = store.mint("minter", f"acme/{name}:read,write")
+    pub = publication(pt2_archive, report_a, components={"consts": constants_a},
+                      envelope={"shapes": [[64, 64]], "text_len": 77, "guidance": [unique_guidance()]})
+    with store.client(token) as client:
+        assert publish(client, "acme", name, pub).status_code == 201
+    return name, token, pub
+
+
+_counter = iter(range(1, 10**6))
+
+
+def unique_guidance() -> str:
+    """A fresh envelope per test (so a fresh key), without touching the archive."""
+    return f"{next(_counter)}.5"
+
+
+def resolve(client: httpx.Client, keys: list[str], family: str = FAMILY) -> httpx.Response:
+    return client.post("/v1/compiled-graphs:resolve", json={"family": family, "keys": keys})
+
+
+def absent_key(n: int = 0) -> str:
+    return "ck1-" + f"{n:056x}"
+
+
+def test_resolve_keeps_order_answers_duplicates_and_misses(store, published):
+    name, token, pub = published
+    keys = [absent_key(1), pub.key, absent_key(2), pub.key]
+    with store.client(token) as client:
+        response = resolve(client, keys)
+    assert response.status_code == 200, response.text
+    answers = ResolveAnswer.model_validate_json(response.content).answers
+    assert [a.key for a in answers] == keys
+    assert [a.status for a in answers] == ["miss", "hit", "miss", "hit"]
+    hit = answers[1]
+    assert hit.repo == f"acme/{name}"
+    assert hit.artifact.digest == pub.artifact.digest and hit.artifact.size == pub.artifact.size
+    assert [(c.name, c.digest) for c in hit.components] == [("consts", pub.components["consts"].digest)]
+    assert hit.record.graph == pub.manifest["axes"]["graph"] and hit.record.lane == "baseline+packed"
+    assert response.json()["answers"][0] == {"key": absent_key(1), "status": "miss"}
+
+
+def test_hit_urls_download_the_exact_bytes(store, published):
+    name, token, pub = published
+    with store.client(token) as client:
+        hit = resolve(client, [pub.key]).json()["answers"][0]
+    artifact_url, component_url = hit["artifact"]["url"], hit["components"][0]["url"]
+    if store.is_s3:
+        # Presigned: straight from storage, no store token.
+        assert not artifact_url.startswith(store.base_url)
+        artifact, component = httpx.get(artifact_url), httpx.get(component_url)
+    else:
+        assert artifact_url == f"{store.base_url}/v1/repos/acme/{name}/blobs/{pub.artifact.digest}"
+        with store.client(token) as client:
+            artifact, component = client.get(artifact_url), client.get(component_url)
+    assert artifact.content == pub.artifact.data
+    assert component.content == pub.components["consts"].data
+
+
+def test_another_family_misses(store, published):
+    _, token, pub = published
+    with store.client(token) as client:
+        assert resolve(client, [pub.key], family="other-family").json()["answers"][0]["status"] == "miss"
+
+
+def test_root_wins_over_a_tenant_repo_holding_the_same_key(store, pt2_archive, report_a, constants_a):
+    tenant = unique_repo()
+    platform_repo = unique_repo("family")
+    pub = publication(pt2_archive, report_a, components={"consts": constants_a},
+                      envelope={"shapes": [[32, 32]], "text_len": 1, "guidance": [unique_guidance()]})
+    tenant_token = store.mint("tenant", f"acme/{tenant}:read,write")
+    platform_token = store.mint("ci", f"root/{platform_repo}:read,write", platform=True)
+    with store.client(tenant_token) as client:
+        assert publish(client, "acme", tenant, pub).status_code == 201
+        assert resolve(client, [pub.key]).json()["answers"][0]["repo"] == f"acme/{tenant}"
+    with store.client(platform_token) as client:
+        assert publish(client, "root", platform_repo, pub).status_code == 201
+    with store.client(tenant_token) as client:
+        assert resolve(client, [pub.key]).json()["answers"][0]["repo"] == f"root/{platform_repo}"
+
+
+def test_unreadable_tenant_record_answers_exactly_like_an_absent_key(store, published):
+    _, _, pub = published
+    outsider = store.mint("mallory", "evil/*:read,write")
+    absent = absent_key(7)
+    with store.client(outsider) as client:
+        hidden = resolve(client, [pub.key])
+        missing = resolve(client, [absent])
+    assert hidden.status_code == missing.status_code == 200
+    assert hidden.content == missing.content.replace(absent.encode(), pub.key.encode())
+    strip = {"date", "content-length"}
+    assert {k: v for k, v in hidden.headers.items() if k not in strip} == {
+        k: v for k, v in missing.headers.items() if k not in strip
+    }
+    assert len(hidden.content) == len(missing.content)
+
+
+def test_principal_repo_shows_a_reader_only_their_own_records(store, pt2_archive, report_a, constants_a):
+    name = unique_repo()
+    manager = store.mint("ops", f"acme/{name}:admin")
+    writer = store.mint("release-a", f"acme/{name}:read,write")
+    reader = store.mint("release-b", f"acme/{name}:read")
+    with store.client(manager) as client:
+        created = client.put(f"/v1/repos/acme/{name}", json={"visibility": "principal"})
+        assert created.status_code == 201, created.text
+    pub = publication(pt2_archive, report_a, components={"consts": constants_a},
+                      envelope={"shapes": [[16, 16]], "text_len": 3, "guidance": [unique_guidance()]})
+    with store.client(writer) as client:
+        assert publish(client, "acme", name, pub).status_code == 201
+        assert resolve(client, [pub.key]).json()["answers"][0]["status"] == "hit"
+        assert client.get(pub.path("acme", name)).status_code == 200
+    with store.client(reader) as client:
+        assert resolve(client, [pub.key]).json()["answers"][0] == {"key": pub.key, "status": "miss"}
+        assert client.get(pub.path("acme", name)).status_code == 404
+        assert client.get(f"/v1/repos/acme/{name}/compiled-graphs").json()["records"] == []
+
+
+def test_yank_is_admin_only_audited_misses_and_the_key_can_be_minted_again(store, published):
+    name, token, pub = published
+    admin = store.mint("admin", "*/*:admin")
+    with store.client(token) as client:
+        denied = client.post(f"{pub.path('acme', name)}:yank", json={"reason": "bad numerics"})
+        assert denied.status_code == 403 and error_code(denied) == "DENIED"
+    with store.client(admin) as client:
+        no_reason = client.post(f"{pub.path('acme', name)}:yank", json={})
+        assert no_reason.status_code == 400
+        yanked = client.post(f"{pub.path('acme', name)}:yank", json={"reason": "bad numerics"})
+    assert yanked.status_code == 200, yanked.text
+    record = Record.model_validate_json(yanked.content)
+    assert record.yank.reason == "bad numerics" and record.yank.by == "admin"
+    with store.client(token) as client:
+        assert resolve(client, [pub.key]).json()["answers"][0] == {"key": pub.key, "status": "miss"}
+        assert client.get(pub.path("acme", name)).status_code == 404
+        again = client.put(pub.path("acme", name), json=pub.manifest)
+        assert again.status_code == 201, again.text
+        assert resolve(client, [pub.key]).json()["answers"][0]["status"] == "hit"
+    with store.context.db.session() as session:
+        actions = session.scalars(
+            select(AuditEvent.action).where(AuditEvent.target == f"acme/{name}:{pub.key}").order_by(AuditEvent.id)
+        ).all()
+    assert actions == ["compiled_graph.publish", "compiled_graph.yank", "compiled_graph.publish"]
+
+
+def test_too_many_keys_is_400(store, published):
+    _, token, _ = published
+    with store.client(token) as client:
+        assert resolve(client, [absent_key(i) for i in range(MAX_RESOLVE_KEYS)]).status_code == 200
+        too_many = resolve(client, [absent_key(i) for i in range(MAX_RESOLVE_KEYS + 1)])
+        bad_key = resolve(client, ["NOT A KEY"])
+    assert too_many.status_code == 400 and error_code(too_many) == "BAD_REQUEST"
+    assert bad_key.status_code == 400 and error_code(bad_key) == "KEY_INVALID"
+
+
+def test_resolve_needs_a_token(store):
+    response = httpx.post(f"{store.base_url}/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": ["a"]})
+    assert response.status_code == 401 and error_code(response) == "UNAUTHORIZED"
+
+
+def test_resolve_runs_the_same_number_of_sql_statements_for_1_and_256_keys(store, published):
+    _, token, pub = published
+    engine = store.context.db.engine
+    statements: list[str] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+
+    def measured(keys: list[str]) -> int:
+        statements.clear()
+        event.listen(engine, "before_cursor_execute", count)
+        try:
+            with store.client(token) as client:
+                answers = resolve(client, keys).json()["answers"]
+        finally:
+            event.remove(engine, "before_cursor_execute", count)
+        assert answers[0]["status"] == "hit"
+        return len(statements)
+
+    one = measured([pub.key])
+    many = measured([pub.key] + [absent_key(i) for i in range(MAX_RESOLVE_KEYS - 1)])
+    assert one == many
+    assert one <= 6  # token check + records + components, whatever the key count
+
+
+def test_resolve_metrics_count_hits_and_misses_per_family(store, published):
+    _, token, pub = published
+    with store.client(token) as client:
+        resolve(client, [pub.key, absent_key(3)])
+        metrics = client.get("/metrics").text
+    assert f'cgstore_resolve_answers_total{{family="{FAMILY}",status="hit"}}' in metrics
+    assert f'cgstore_resolve_answers_total{{family="{FAMILY}",status="miss"}}' in metrics
+
+
+def test_get_of_an_unreadable_record_is_404_like_an_absent_one(store, published):
+    name, _, pub = published
+    outsider = store.mint("mallory", "evil/*:read")
+    with store.client(outsider) as client:
+        hidden = client.get(pub.path("acme", name))
+        absent = client.get(f"/v1/repos/acme/{name}/compiled-graphs/{absent_key(9)}")
+    assert hidden.status_code == absent.status_code == 404
+    assert error_code(hidden) == error_code(absent) == "NAME_UNKNOWN"
+
+
+def test_list_filters_and_paginates_by_keyset(store, pt2_archive, report_a, constants_a):
+    name = unique_repo()
+    token = store.mint("minter", f"acme/{name}:read,write")
+    pubs = [
+        publication(pt2_archive, report_a, components={"consts": constants_a},
+                    envelope={"shapes": [[8 * (i + 1), 8]], "text_len": 0})
+        for i in range(5)
+    ]
+    with store.client(token) as client:
+        for pub in pubs:
+            assert publish(client, "acme", name, pub).status_code == 201
+        seen, cursor = [], None
+        while True:
+            params = {"limit": 2, "family": FAMILY, "sm": report_a.sm, **({"cursor": cursor} if cursor else {})}
+            page = RecordPage.model_validate_json(client.get(f"/v1/repos/acme/{name}/compiled-graphs", params=params).content)
+            seen += [record.key for record in page.records]
+            if page.next_cursor is None:
+                break
+            cursor = page.next_cursor
+        assert seen == [pub.key for pub in pubs]
+        assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"family": "nope"}).json()["records"] == []
+        assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"lane": "fused+dense"}).json()["records"] == []
+        assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"limit": 1001}).status_code == 400
+        assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"cursor": "x"}).status_code == 400
+
+
+def test_openapi_schema_uses_the_wire_types(store):
+    schema = httpx.get(f"{store.base_url}/openapi.json").json()
+    resolve_op = schema["paths"]["/v1/compiled-graphs:resolve"]["post"]
+    assert resolve_op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ResolveRequest")
+    assert resolve_op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ResolveAnswer")
+    keys = schema["components"]["schemas"]["ResolveRequest"]["properties"]["keys"]
+    assert keys["maxItems"] == MAX_RESOLVE_KEYS
+    assert "receipt" in schema["components"]["schemas"]["PublishAnswer"]["properties"]
+
+
+def test_capabilities_state_the_resolve_limit(store):
+    capabilities = httpx.get(f"{store.base_url}/v1/capabilities").json()
+    assert capabilities["max_resolve_keys"] == MAX_RESOLVE_KEYS
+    assert capabilities["accepted_kinds"] == ["aot-inductor"]
