@@ -43,6 +43,7 @@ from cgstore_client.http import Retry, Stream, Transport, file_chunks, open_stre
 from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
 from cgstore_client.lanes import DEFAULT_LANE, resolve_lane
 from cgstore_client.receipts import ReceiptInvalid, ReceiptVerifier, verify_jws_receipt
+from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
 READ_BYTES = 1 << 20
@@ -262,8 +263,9 @@ class Client:
 
     def resolve(self, family: str, keys: list[str]) -> list[dict[str, Any]]:
         """The store's answer for each key, in order: a hit entry, or ``{"key", "status": "miss"}``."""
-        body = self.transport.request("POST", "/v1/compiled-graphs:resolve", json={"family": family, "keys": keys})
-        answers = [_entry(answer) for answer in _answers(body.json())]
+        query = ResolveRequest(family=family, keys=keys).model_dump(mode="json")
+        body = self.transport.request("POST", "/v1/compiled-graphs:resolve", json=query)
+        answers = [_entry(answer) for answer in _answers(body.content)]
         if [a["key"] for a in answers] != list(keys):
             raise Refused("the resolve answer does not answer the keys asked, in order")
         return answers
@@ -338,7 +340,7 @@ class Client:
             for blob in [entry["artifact"], *entry["components"]]:
                 tasks[blob["digest"]] = lambda e=entry, b=blob: self.fetch_blob(e["repo"], b["digest"], b.get("size"))
             if "record" not in entry:
-                tasks[entry["key"]] = lambda e=entry: self.transport.request("GET", e["facts"]["href"]).json()
+                tasks[entry["key"]] = lambda e=entry: _record(self.transport.request("GET", e["facts"]["href"]).content)
 
         def run(name: str) -> Any:
             try:
@@ -409,8 +411,10 @@ class Client:
         manifest["components"] = [
             {"name": n, "digest": hashed[str(p)][0], "size": hashed[str(p)][1]} for n, p in sorted(named.items())
         ]
-        answer = self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}", json=manifest).json()
-        return Published(answer["key"], answer["status"], answer.get("receipt"))
+        body = Manifest.model_validate(manifest).model_dump(mode="json", exclude_none=True)
+        answer = _parsed(PublishAnswer, self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}",
+                                                               json=body).content)
+        return Published(answer.key, answer.status, answer.receipt)
 
 
 @dataclass(frozen=True)
@@ -460,32 +464,43 @@ def _eager_reason(error: CgstoreError) -> str:
     return f"{boot.UNAVAILABLE}: {error}"
 
 
-def _answers(body: Any) -> list[dict[str, Any]]:
+def _parsed(model, content: bytes):
+    """An answer body parsed with its wire type; a body that breaks the protocol is a typed refusal."""
+    try:
+        return model.model_validate_json(content)
+    except ValueError as err:  # pydantic's ValidationError is a ValueError
+        raise Refused(f"the store's answer is not a {model.__name__}: {err}") from None
+
+
+def _answers(content: bytes) -> list[ResolveHit | Any]:
     """The per-key answers of a resolve body (``wire.records.ResolveAnswer``)."""
-    answers = body.get("answers") if isinstance(body, dict) else None
-    if not isinstance(answers, list):
-        raise Refused("unreadable resolve answer")
-    return answers
+    return _parsed(ResolveAnswer, content).answers
 
 
-def _entry(answer: dict[str, Any]) -> dict[str, Any]:
+def _record(content: bytes) -> dict[str, Any]:
+    """A full record (``wire.records.Record``), as the JSON document the cache keeps."""
+    return _parsed(Record, content).model_dump(mode="json")
+
+
+def _entry(answer) -> dict[str, Any]:
     """A resolve answer as the cache keeps it: key, repo, the record's facts, blobs (without URLs), receipt.
 
     The full record (manifest, input contract, binding table) is fetched beside
     the blobs and added as ``record`` before the entry is cached.
     """
-    if answer.get("status") != "hit":
-        return {"key": answer["key"], "status": "miss"}
+    if not isinstance(answer, ResolveHit):
+        return {"key": answer.key, "status": "miss"}
     entry = {
-        "key": answer["key"],
+        "key": answer.key,
         "status": "hit",
-        "repo": answer["repo"],
-        "facts": answer["record"],
-        "artifact": {"digest": answer["artifact"]["digest"], "size": answer["artifact"]["size"]},
-        "components": [{"name": c["name"], "digest": c["digest"], "size": c["size"]} for c in answer["components"]],
+        "repo": answer.repo,
+        "facts": answer.record.model_dump(mode="json"),
+        "artifact": {"digest": answer.artifact.digest, "size": answer.artifact.size},
+        "components": [{"name": c.name, "digest": c.digest, "size": c.size} for c in answer.components],
     }
-    if answer.get("receipt") is not None:
-        entry["receipt"] = answer["receipt"]
+    receipt = getattr(answer, "receipt", None)  # when the store signs its answers
+    if receipt is not None:
+        entry["receipt"] = receipt
     return entry
 
 
