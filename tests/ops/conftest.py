@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from cgstore.settings import Settings
 from tests.support.live_store import LiveStore, running_store
-from tests.support.services import use_test_aws_credentials
+from tests.support.services import postgres_database, use_test_aws_credentials
 
 
 @pytest.fixture
-def replica_settings(pg_url, s3_server, tmp_path) -> Callable[..., Settings]:
+def replica_settings(s3_server, tmp_path) -> Iterator[Callable[..., Settings]]:
     """Settings for one more replica of a registry: shared database, bucket and signing key.
 
     Each replica has its own home (nothing else is shared), as on separate hosts.
+    The registry gets a database of its own: blobs are stored once per database,
+    so a session database whose rows name bytes in other buckets would make
+    this bucket miss them.
     """
     use_test_aws_credentials()
     bucket = s3_server.create_bucket()
@@ -34,7 +37,8 @@ def replica_settings(pg_url, s3_server, tmp_path) -> Callable[..., Settings]:
         )
 
     make.bucket = bucket
-    return make
+    with postgres_database("cgstore_replicas") as pg_url:
+        yield make
 
 
 @pytest.fixture
