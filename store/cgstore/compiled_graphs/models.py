@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, text
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cgstore.core.db import Base, UTCDateTime, utcnow
@@ -59,6 +59,7 @@ class CompiledGraph(Base):
       yanked_by             who yanked it.
       yank_reason           why.
       health                ok | blob_missing | blob_corrupt (set by the scrub).
+      receipt               the signed publish receipt (compiled_graphs/receipts.py), answered with the record.
     """
 
     __tablename__ = "compiled_graphs"
@@ -106,6 +107,7 @@ class CompiledGraph(Base):
     yanked_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
     yank_reason: Mapped[str | None] = mapped_column(String(1000), nullable=True)
     health: Mapped[str] = mapped_column(String(16), nullable=False, default=HEALTH_OK)
+    receipt: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class CompiledGraphComponent(Base):

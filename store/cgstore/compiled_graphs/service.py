@@ -2,7 +2,7 @@
 
 Publish runs admission (``admission.py``) outside any transaction, then one
 short transaction inserts the record if the key has no live record, with its
-components and its audit entry. Never last-writer-wins: ``INSERT ... ON
+components, its signed receipt (``receipts.py``) and its audit entry. Never last-writer-wins: ``INSERT ... ON
 CONFLICT DO NOTHING`` against the partial unique index decides one winner
 among racing publishes; the others compare with the winner (same artifact and
 same components: 200, else 409 ``KEY_CONFLICT``, audited as a non-reproducible
@@ -48,7 +48,7 @@ from sqlalchemy.orm import Session
 from cgstore import access
 from cgstore.audit.service import record as audit
 from cgstore.blobs.models import Blob, RepoBlob
-from cgstore.compiled_graphs import admission
+from cgstore.compiled_graphs import admission, receipts
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
 from cgstore.core.db import in_values, utcnow
@@ -193,8 +193,9 @@ def _insert_if_absent(
     ctx: StoreContext, claims: Claims, target: Repo, row: CompiledGraph, manifest: Manifest
 ) -> Published:
     target_name = f"{target.owner}/{target.name}:{row.key}"
-    values = {c.key: getattr(row, c.key) for c in CompiledGraph.__table__.columns if c.key != "id"}
     with ctx.db.session() as session:
+        row.receipt = _receipt(ctx, session, target, row, manifest)
+        values = {c.key: getattr(row, c.key) for c in CompiledGraph.__table__.columns if c.key != "id"}
         # The write comes first: SQLite takes its write lock here (no read-then-upgrade
         # race), PostgreSQL waits for a concurrent inserter of the same key to finish.
         record_id = session.execute(_insert_ignoring_live_conflict(session).values(**values).returning(
@@ -209,6 +210,8 @@ def _insert_if_absent(
             return Published(_publish_answer(target, row, "created"), created=True)
         live = _live_record(session, target.id, row.key)
         same = live.artifact_digest == row.artifact_digest and live.component_set == row.component_set
+        if same and live.receipt is None:  # published before receipts (revision 0007): vouch for it now
+            live.receipt = _receipt(ctx, session, target, live, manifest)
         detail = {"live": {"artifact": live.artifact_digest, "component_set": live.component_set},
                   "offered": {"artifact": row.artifact_digest, "component_set": row.component_set}}
         audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH, target=target_name,
@@ -219,7 +222,15 @@ def _insert_if_absent(
             "this key already holds different bytes (a non-reproducible mint); records are never overwritten",
             key=row.key, **detail,
         )
-    return Published(_publish_answer(target, row, "exists"), created=False)
+    return Published(_publish_answer(target, live, "exists"), created=False)
+
+
+def _receipt(ctx: StoreContext, session: Session, target: Repo, row: CompiledGraph, manifest: Manifest) -> str:
+    """The receipt for ``row``; ``manifest``'s components are the record's (the same component set)."""
+    return receipts.sign(
+        session, ctx.tokens.keys, issuer=ctx.settings.token_issuer, repo=f"{target.owner}/{target.name}", row=row,
+        components=((c.name, c.digest) for c in manifest.components),
+    )
 
 
 def _insert_ignoring_live_conflict(session: Session):
@@ -241,7 +252,7 @@ def _live_record(session: Session, repo_id: int, key: str) -> CompiledGraph | No
 def _publish_answer(target: Repo, row: CompiledGraph, status: str) -> PublishAnswer:
     return PublishAnswer(
         status=status, key=row.key, repo=f"{target.owner}/{target.name}",
-        artifact=Artifact(digest=row.artifact_digest, size=row.artifact_size),
+        artifact=Artifact(digest=row.artifact_digest, size=row.artifact_size), receipt=row.receipt,
     )
 
 
@@ -337,7 +348,7 @@ def to_record(target: Repo, row: CompiledGraph, components: list[CompiledGraphCo
         key=row.key, repo=f"{target.owner}/{target.name}", manifest=manifest,
         input_contract=row.input_contract, binding_table=[Binding(**b) for b in row.binding_table],
         kernel_lane=row.kernel_lane, publisher=Publisher(principal=row.publisher, jti=row.publisher_jti),
-        created_at=row.created_at, health=row.health, yank=yank,
+        created_at=row.created_at, health=row.health, yank=yank, receipt=row.receipt,
     )
 
 
@@ -373,7 +384,7 @@ _RESOLVE_COLUMNS = (
     CompiledGraph.lane, CompiledGraph.sm, CompiledGraph.graph_digest, CompiledGraph.envelope_digest,
     CompiledGraph.toolchain_digest, CompiledGraph.layout_display, CompiledGraph.layout_topology,
     CompiledGraph.layout_quant, CompiledGraph.created_at, CompiledGraph.publisher,
-    CompiledGraph.artifact_digest, CompiledGraph.artifact_size,
+    CompiledGraph.artifact_digest, CompiledGraph.artifact_size, CompiledGraph.receipt,
     Repo.owner, Repo.name, Repo.visibility,
 )
 
@@ -470,6 +481,7 @@ def _answer(key: str, row, components: dict[int, list], urls: dict[BlobRef, str]
             {"name": c.name, "digest": c.digest, "size": c.size, "url": urls[(row.owner, row.name, c.digest)]}
             for c in components.get(row.id, [])
         ],
+        "receipt": row.receipt,
     }
 
 
