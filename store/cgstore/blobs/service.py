@@ -14,7 +14,10 @@ waits on a slow client; a consumer closed mid-body aborts its write.
 
 Knowing a digest grants nothing: a repo gets a link only by sending the bytes
 (which are hashed even when the blob is already stored) or by mounting from a
-repo the caller can read.
+repo the caller can read. Every principal that links a blob into a repo is
+recorded as one of its holders (``repo_blob_holders``); in a private cache
+(``access.private_reader``) a blob exists, for reads, ``blobs:missing`` and the
+blobs a publish names, only for its holders.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from cgstore_client.keys import is_digest
 from sqlalchemy import delete, func, select, update
 
 from cgstore.audit.service import record
-from cgstore.blobs.models import Blob, RepoBlob, UploadSession
+from cgstore import access
+from cgstore.blobs.models import Blob, RepoBlob, RepoBlobHolder, UploadSession
 from cgstore.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
 from cgstore.core.http import BodyConsumer
@@ -39,6 +43,7 @@ from cgstore.core.errors import (
     RangeInvalid,
     SizeInvalid,
     TooLarge,
+    hidden_miss,
 )
 from cgstore.core.faults import crash_point
 from cgstore.repos.models import Repo
@@ -71,14 +76,29 @@ def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str
         found = readable_repo(
             session, claims, owner, repo, BlobUnknown, "blob unknown to this repo", digest=digest
         )
-        size = session.scalar(
-            select(Blob.size)
-            .join(RepoBlob, RepoBlob.digest == Blob.digest)
-            .where(RepoBlob.repo_id == found.id, Blob.digest == digest)
-        )
+        size = session.execute(visible_blobs(claims, found, [digest])).first()
+        hidden = size is None and session.get(RepoBlob, (found.id, digest)) is not None
+    if hidden:  # linked by another principal of a private cache: the same miss, audited as a denial
+        raise hidden_miss(BlobUnknown, "blob unknown to this repo", digest=digest)
     if size is None:
         raise BlobUnknown("blob unknown to this repo", digest=digest)
-    return BlobLocation(digest, size)
+    return BlobLocation(digest, size.size)
+
+
+def visible_blobs(claims: Claims, target: Repo, digests: list[str]):
+    """``SELECT digest, size`` of those ``digests`` linked in ``target`` that ``claims`` may see there."""
+    query = (
+        select(Blob.digest, Blob.size)
+        .join(RepoBlob, RepoBlob.digest == Blob.digest)
+        .where(RepoBlob.repo_id == target.id, Blob.digest.in_(digests))
+    )
+    reader = access.private_reader(claims, target.visibility)
+    if reader is None:
+        return query
+    return query.join(
+        RepoBlobHolder,
+        (RepoBlobHolder.repo_id == RepoBlob.repo_id) & (RepoBlobHolder.digest == RepoBlob.digest),
+    ).where(RepoBlobHolder.principal == reader)
 
 
 def download_url(ctx: StoreContext, location: BlobLocation) -> str | None:
@@ -100,11 +120,7 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
         validate_digest(digest)
     with ctx.db.session() as session:
         target = writable_repo(session, claims, owner, repo)
-        linked = set(
-            session.scalars(
-                select(RepoBlob.digest).where(RepoBlob.repo_id == target.id, RepoBlob.digest.in_(set(digests)))
-            )
-        )
+        linked = {row.digest for row in session.execute(visible_blobs(claims, target, list(set(digests))))}
     return [d for d in dict.fromkeys(digests) if d not in linked]
 
 
@@ -148,6 +164,9 @@ def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: in
         insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=utcnow())
         linked = insert_ignoring_conflicts(
             session, RepoBlob, repo_id=target.id, digest=digest, linked_by=claims.sub, created_at=utcnow()
+        )
+        insert_ignoring_conflicts(
+            session, RepoBlobHolder, repo_id=target.id, digest=digest, principal=claims.sub, created_at=utcnow()
         )
         record(
             session,

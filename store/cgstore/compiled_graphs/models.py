@@ -1,7 +1,10 @@
 """Tables of the compiled-graphs feature: records and the named components they bind.
 
-One *live* record per (repo, key): a partial unique index over the rows whose
-``yanked_at`` is NULL. A yanked record stays for audit, and the key can be
+One *live* record per (repo, key, scope): a partial unique index over the
+rows whose ``yanked_at`` is NULL. The scope is empty, except in a private
+cache (visibility ``principal``), where it is the publisher: each tenant's
+cache holds its own record of a key, and one tenant's publish tells nothing
+of another's. A yanked record stays for audit, and the key can be
 published again. Resolve and listing read only live rows, through partial
 indexes, so their cost follows the number of keys asked or rows listed, not
 the size of the table.
@@ -60,12 +63,13 @@ class CompiledGraph(Base):
       yank_reason           why.
       health                ok | blob_missing | blob_corrupt (set by the scrub).
       receipt               the signed publish receipt (compiled_graphs/receipts.py), answered with the record.
+      scope                 write-once scope: '' (the repo), or the publisher in a private cache.
     """
 
     __tablename__ = "compiled_graphs"
     __table_args__ = (
-        # Write-once: at most one live record per key in a repo.
-        Index("uq_compiled_graphs_live_key", "repo_id", "key", unique=True,
+        # Write-once: at most one live record per key in a repo (per publisher in a private cache).
+        Index("uq_compiled_graphs_live_key", "repo_id", "key", "scope", unique=True,
               sqlite_where=_LIVE, postgresql_where=_LIVE),
         # Resolve: key first (the worker asks by key), then family.
         Index("ix_compiled_graphs_resolve", "key", "family", sqlite_where=_LIVE, postgresql_where=_LIVE),
@@ -108,6 +112,7 @@ class CompiledGraph(Base):
     yank_reason: Mapped[str | None] = mapped_column(String(1000), nullable=True)
     health: Mapped[str] = mapped_column(String(16), nullable=False, default=HEALTH_OK)
     receipt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    scope: Mapped[str] = mapped_column(String(200), nullable=False, default="")
 
 
 class CompiledGraphComponent(Base):

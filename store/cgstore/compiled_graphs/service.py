@@ -6,7 +6,8 @@ components, its signed receipt (``receipts.py``) and its audit entry. Never last
 CONFLICT DO NOTHING`` against the partial unique index decides one winner
 among racing publishes; the others compare with the winner (same artifact and
 same components: 200, else 409 ``KEY_CONFLICT``, audited as a non-reproducible
-mint). Nothing is written before admission passed, and the record only names
+mint). In a private cache the write-once scope is the publisher's own
+(``models.py``), so one tenant's publish never learns of another's record. Nothing is written before admission passed, and the record only names
 blobs whose rows exist (foreign keys), so a record never points at bytes the
 database does not hold.
 
@@ -47,7 +48,8 @@ from sqlalchemy.orm import Session
 
 from cgstore import access
 from cgstore.audit.service import record as audit
-from cgstore.blobs.models import Blob, RepoBlob
+from cgstore.blobs.models import Blob
+from cgstore.blobs.service import visible_blobs
 from cgstore.compiled_graphs import admission, receipts
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
@@ -107,7 +109,7 @@ def _publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str,
     derived = admission.check_manifest(key, manifest)
     with ctx.db.session() as session:
         target = find_repo(session, owner, repo)
-        sizes = _linked_sizes(session, target, manifest)
+        sizes = _linked_sizes(session, claims, target, manifest)
     report = admission.inspect_stored(
         ctx.storage.read(manifest.artifact.digest), sizes[manifest.artifact.digest]
     )
@@ -118,19 +120,17 @@ def _publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str,
     return _insert_if_absent(ctx, claims, target, row, manifest)
 
 
-def _linked_sizes(session: Session, target: Repo | None, manifest: Manifest) -> dict[str, int]:
-    """Sizes of the artifact and components linked in the repo; any absent: ``BLOB_UNKNOWN`` (400)."""
+def _linked_sizes(session: Session, claims: Claims, target: Repo | None, manifest: Manifest) -> dict[str, int]:
+    """Sizes of the artifact and components linked in the repo; any absent: ``BLOB_UNKNOWN`` (400).
+
+    In a private cache only the caller's own blobs count: a record must never
+    point a reader at bytes another principal uploaded.
+    """
     wanted = {manifest.artifact.digest: manifest.artifact.size}
     wanted.update({c.digest: c.size for c in manifest.components})
     linked: dict[str, int] = {}
     if target is not None:
-        linked = dict(
-            session.execute(
-                select(Blob.digest, Blob.size)
-                .join(RepoBlob, RepoBlob.digest == Blob.digest)
-                .where(RepoBlob.repo_id == target.id, Blob.digest.in_(list(wanted)))
-            ).all()
-        )
+        linked = dict(session.execute(visible_blobs(claims, target, list(wanted))).all())
     missing = [d for d in wanted if d not in linked]
     if missing:
         raise BlobReferenceUnknown("the manifest names blobs this repo does not hold", missing=missing)
@@ -180,6 +180,7 @@ def _new_row(
         mint_phases=manifest.evidence.mint_phases,
         publisher=claims.sub,
         publisher_jti=claims.jti,
+        scope=access.private_reader(claims, target.visibility) or "",
         created_at=utcnow(),
         health=HEALTH_OK,
     )
@@ -208,7 +209,7 @@ def _insert_if_absent(
             audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH, target=target_name,
                   detail={"result": "created", "artifact": row.artifact_digest, "component_set": row.component_set})
             return Published(_publish_answer(target, row, "created"), created=True)
-        live = _live_record(session, target.id, row.key)
+        live = _live_record(session, target.id, row.key, row.scope)
         same = live.artifact_digest == row.artifact_digest and live.component_set == row.component_set
         if same and live.receipt is None:  # published before receipts (revision 0007): vouch for it now
             live.receipt = _receipt(ctx, session, target, live, manifest)
@@ -241,12 +242,16 @@ def _insert_ignoring_live_conflict(session: Session):
     return insert(CompiledGraph).on_conflict_do_nothing()
 
 
-def _live_record(session: Session, repo_id: int, key: str) -> CompiledGraph | None:
-    return session.scalar(
-        select(CompiledGraph).where(
-            CompiledGraph.repo_id == repo_id, CompiledGraph.key == key, CompiledGraph.yanked_at.is_(None)
-        )
-    )
+def _live(repo_id: int, key: str):
+    """The live records of ``key`` in a repo, oldest first (several only in a private cache: one per publisher)."""
+    return select(CompiledGraph).where(
+        CompiledGraph.repo_id == repo_id, CompiledGraph.key == key, CompiledGraph.yanked_at.is_(None)
+    ).order_by(CompiledGraph.id)
+
+
+def _live_record(session: Session, repo_id: int, key: str, scope: str) -> CompiledGraph | None:
+    """The live record of ``key`` in its write-once ``scope``."""
+    return session.scalar(_live(repo_id, key).where(CompiledGraph.scope == scope))
 
 
 def _publish_answer(target: Repo, row: CompiledGraph, status: str) -> PublishAnswer:
@@ -265,20 +270,19 @@ def _readable(session: Session, ctx: StoreContext, claims: Claims, owner: str, r
 
 
 def _visible(query, claims: Claims, target: Repo):
-    """Same-principal rule: in a ``principal`` repo a reader sees only what they published."""
-    if target.visibility == "principal":
-        return query.where(CompiledGraph.publisher == claims.sub)
-    return query
+    """The private-cache rule (``access.private_reader``): only the reader's own records, when it applies."""
+    reader = access.private_reader(claims, target.visibility)
+    return query if reader is None else query.where(CompiledGraph.publisher == reader)
 
 
 def get_record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str) -> Record:
     with ctx.db.session() as session:
         target = _readable(session, ctx, claims, owner, repo, key)
-        live = _live_record(session, target.id, key) if is_key(key) else None
+        live = session.scalar(_visible(_live(target.id, key), claims, target).limit(1)) if is_key(key) else None
+        if live is None and is_key(key) and session.scalar(_live(target.id, key).limit(1)) is not None:
+            raise hidden_miss(NameUnknown, "no such compiled graph", key=key[:120])
         if live is None:
             raise NameUnknown("no such compiled graph", key=key[:120])
-        if target.visibility == "principal" and live.publisher != claims.sub:
-            raise hidden_miss(NameUnknown, "no such compiled graph", key=key[:120])
         components = _components_of(session, [live.id])
     return to_record(target, live, components.get(live.id, []))
 
@@ -362,7 +366,8 @@ def yank(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, rea
     access.is_admin(claims).enforce()
     with ctx.db.session() as session:
         target = find_repo(session, owner, repo)
-        live = _live_record(session, target.id, key) if target is not None and is_key(key) else None
+        # In a private cache a key may have one live record per publisher: the oldest goes first.
+        live = session.scalar(_live(target.id, key).limit(1)) if target is not None and is_key(key) else None
         if live is None:
             raise NameUnknown("no such compiled graph", key=key[:120])
         now = utcnow()
@@ -423,7 +428,7 @@ def _best_readable(ctx: StoreContext, claims: Claims, candidates) -> dict[str, A
         repo = (row.owner, row.name)
         if repo not in readable:
             readable[repo] = access.can_read(claims, row.owner, row.name).allowed
-        if not readable[repo] or (row.visibility == "principal" and row.publisher != claims.sub):
+        if not readable[repo] or not access.can_read_item(claims, row.visibility, row.publisher):
             continue
         current = best.get(row.key)
         if current is None or _rank(row) < _rank(current):
@@ -431,8 +436,8 @@ def _best_readable(ctx: StoreContext, claims: Claims, candidates) -> dict[str, A
     return best
 
 
-def _rank(row) -> tuple[bool, str, str]:
-    return (row.owner != ROOT_OWNER, row.owner, row.name)
+def _rank(row) -> tuple[bool, str, str, int]:
+    return (row.owner != ROOT_OWNER, row.owner, row.name, row.id)
 
 
 def _component_rows(session: Session, record_ids: list[int]) -> dict[int, list]:
