@@ -194,9 +194,11 @@ def _insert_if_absent(
     ctx: StoreContext, claims: Claims, target: Repo, row: CompiledGraph, manifest: Manifest
 ) -> Published:
     target_name = f"{target.owner}/{target.name}:{row.key}"
+    # Signed in a session of its own (it reads the key ring), so the insert below stays the first statement.
     with ctx.db.session() as session:
         row.receipt = _receipt(ctx, session, target, row, manifest)
-        values = {c.key: getattr(row, c.key) for c in CompiledGraph.__table__.columns if c.key != "id"}
+    values = {c.key: getattr(row, c.key) for c in CompiledGraph.__table__.columns if c.key != "id"}
+    with ctx.db.session() as session:
         # The write comes first: SQLite takes its write lock here (no read-then-upgrade
         # race), PostgreSQL waits for a concurrent inserter of the same key to finish.
         record_id = session.execute(_insert_ignoring_live_conflict(session).values(**values).returning(
