@@ -87,7 +87,8 @@ def _created_headers(owner: str, repo: str, digest: str, size: int) -> dict[str,
 @router.post("/blobs/{digest}:mount", status_code=201)
 async def mount_blob(
     owner: str, repo: str, digest: str,
-    source: str = Query(alias="from", max_length=200),
+    # No length bound here: the service's name grammar bounds it and answers NAME_INVALID.
+    source: str = Query(alias="from"),
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
     size = await run_in_threadpool(service.mount, ctx, claims, owner, repo, digest, source)
@@ -125,7 +126,7 @@ async def upload_status(
 @router.put("/uploads/{session_id}", status_code=201)
 async def commit_upload(
     owner: str, repo: str, session_id: str, request: Request,
-    digest: str = Query(max_length=100),
+    digest: str = Query(),  # its grammar (DIGEST_INVALID) bounds it, in the service
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
     size = await feed_body(request, service.commit_session(ctx, claims, owner, repo, session_id, digest))

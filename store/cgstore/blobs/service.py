@@ -22,7 +22,9 @@ blobs a publish names, only for its holders.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import re
 import uuid
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -30,8 +32,8 @@ from dataclasses import dataclass
 from cgstore_client.keys import is_digest
 from sqlalchemy import delete, func, select, update
 
-from cgstore.audit.service import record
 from cgstore import access
+from cgstore.audit.service import record
 from cgstore.blobs.models import Blob, RepoBlob, RepoBlobHolder, UploadSession
 from cgstore.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
@@ -43,16 +45,21 @@ from cgstore.core.errors import (
     RangeInvalid,
     SizeInvalid,
     TooLarge,
+    Unavailable,
     hidden_miss,
 )
 from cgstore.core.faults import crash_point
+from cgstore.core.names import split_repo_path
 from cgstore.repos.models import Repo
-from cgstore.repos.service import readable_repo, writable_repo
+from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload
-from cgstore.storage.hashing import VerifyOnlyWriter
 from cgstore.tokens.claims import Claims
 
 MAX_MISSING_QUERY = 1024
+# What ``open_session`` hands out (a uuid4 as 32 lowercase hex). Anything else
+# cannot name a session, so it is refused before it reaches a query: bytes such
+# as NUL, which PostgreSQL refuses in text, must never get that far.
+SESSION_ID_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)  # used with fullmatch
 
 
 def validate_digest(digest: str) -> str:
@@ -120,7 +127,9 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
         validate_digest(digest)
     with ctx.db.session() as session:
         target = writable_repo(session, claims, owner, repo)
-        linked = {row.digest for row in session.execute(visible_blobs(claims, target, list(set(digests))))}
+        linked = set() if target is None else {
+            row.digest for row in session.execute(visible_blobs(claims, target, list(set(digests))))
+        }
     return [d for d in dict.fromkeys(digests) if d not in linked]
 
 
@@ -136,13 +145,13 @@ def upload(
 ) -> BodyConsumer[int]:
     """Monolithic PUT: stream the body into storage verified, then link. Returns the size."""
     validate_digest(digest)
-    _check_size_limit(ctx, declared_size)
     with ctx.db.session() as session:
-        target = writable_repo(session, claims, owner, repo)
+        writable_repo(session, claims, owner, repo)
         already_stored = session.get(Blob, digest) is not None
-    # The writer checks size (as soon as too many bytes arrive), the store's limit and the digest.
+    # The writer checks the store's limit (at once for a declared size), the size
+    # (as soon as too many bytes arrive) and the digest.
     if already_stored:
-        writer = VerifyOnlyWriter(digest, declared_size, ctx.settings.max_blob_bytes)
+        writer = ctx.storage.verify_only(digest, declared_size)
     else:
         writer = ctx.storage.writer(digest, declared_size)
     with writer:
@@ -150,17 +159,16 @@ def upload(
             writer.write(chunk)
         size = writer.commit()
     crash_point("upload.stored")
-    _link(ctx, claims, target, digest, size, action="blob.upload")
+    _link(ctx, claims, owner, repo, digest, size, action="blob.upload")
     return size
 
 
-def _check_size_limit(ctx: StoreContext, size: int | None) -> None:
-    if size is not None and size > ctx.settings.max_blob_bytes:
-        raise TooLarge(f"blobs are at most {ctx.settings.max_blob_bytes} bytes", limit=ctx.settings.max_blob_bytes)
-
-
-def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: int, action: str, **detail) -> None:
+def _link(
+    ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, size: int, action: str, **detail
+) -> None:
+    """Record a verified write: the blob, its link, the repo if this is its first write, the audit."""
     with ctx.db.session() as session:
+        target = ensure_repo(session, claims, owner, repo)
         insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=utcnow())
         linked = insert_ignoring_conflicts(
             session, RepoBlob, repo_id=target.id, digest=digest, linked_by=claims.sub, created_at=utcnow()
@@ -184,11 +192,11 @@ def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: in
 def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, source: str) -> int:
     """Link a blob the caller can read in ``source`` into ``owner/repo`` without re-upload."""
     validate_digest(digest)
-    source_owner, _, source_repo = source.partition("/")
+    source_owner, source_repo = split_repo_path(source)
     with ctx.db.session() as session:
-        target = writable_repo(session, claims, owner, repo)
+        writable_repo(session, claims, owner, repo)
     location = locate(ctx, claims, source_owner, source_repo, digest)
-    _link(ctx, claims, target, digest, location.size, action="blob.mount", source=source)
+    _link(ctx, claims, owner, repo, digest, location.size, action="blob.mount", source=source)
     return location.size
 
 
@@ -199,32 +207,48 @@ def _expiry(ctx: StoreContext) -> dt.datetime:
 
 
 def open_session(ctx: StoreContext, claims: Claims, owner: str, repo: str) -> str:
+    """Open a resumable upload. It is the start of a write into the repo, whose row
+    the session references, so a repo with no blob yet comes into being here, in
+    the transaction that records the session, once its staging exists."""
     with ctx.db.session() as session:
-        target = writable_repo(session, claims, owner, repo)
-    session_id = uuid.uuid4().hex
+        writable_repo(session, claims, owner, repo)
+    session_id = uuid.uuid4().hex  # of the SESSION_ID_RE grammar
     staged = ctx.storage.stage_begin(session_id)
-    with ctx.db.session() as session:
-        session.add(
-            UploadSession(
-                id=session_id,
-                repo_id=target.id,
-                principal=claims.sub,
-                offset=0,
-                storage_state=staged.state,
-                created_at=utcnow(),
-                expires_at=_expiry(ctx),
+    try:
+        with ctx.db.session() as session:
+            target = ensure_repo(session, claims, owner, repo)
+            session.add(
+                UploadSession(
+                    id=session_id,
+                    repo_id=target.id,
+                    principal=claims.sub,
+                    offset=0,
+                    storage_state=staged.state,
+                    created_at=utcnow(),
+                    expires_at=_expiry(ctx),
+                )
             )
-        )
+    except BaseException:
+        # No row will ever name this staging. The original failure is the answer,
+        # even if storage cannot drop it now.
+        with contextlib.suppress(Unavailable):
+            ctx.storage.stage_abort(staged)
+        raise
     return session_id
 
 
 def _find_session(ctx: StoreContext, claims: Claims, owner: str, repo: str, session_id: str) -> UploadSession:
-    """The caller's own live session in this repo; anything else is ``BLOB_UPLOAD_UNKNOWN``."""
+    """The caller's own live session in this repo; anything else is ``BLOB_UPLOAD_UNKNOWN``.
+
+    An id outside the session-id grammar answers exactly like an unknown one.
+    """
     with ctx.db.session() as session:
         target = writable_repo(session, claims, owner, repo)
-        found = session.get(UploadSession, session_id) if len(session_id) <= 64 else None
-    if found is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():
-        raise BlobUploadUnknown("no such upload session", session=session_id[:64])
+        well_formed = SESSION_ID_RE.fullmatch(session_id) is not None
+        found = session.get(UploadSession, session_id) if well_formed else None
+    if found is None or target is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():
+        # ascii(): a refused id is echoed escaped (no NUL, no raw non-ASCII) and bounded.
+        raise BlobUploadUnknown("no such upload session", session=ascii(session_id)[1:-1][:64])
     return found
 
 
@@ -240,24 +264,30 @@ def append(
     session_id: str,
     content_range: tuple[int, int] | None,
 ) -> BodyConsumer[int]:
-    """Stage one chunk (the body); it must start at the committed offset. Returns the new offset."""
+    """Stage one chunk (the body); it must start at the committed offset. Returns the new offset.
+
+    A refused chunk leaves the staged bytes exactly at the committed offset: its
+    length is checked before the append finishes (refusing it aborts the
+    append, which cuts back what it wrote), and a chunk that loses the offset's
+    compare-and-set is discarded.
+    """
     found = _find_session(ctx, claims, owner, repo, session_id)
     if content_range is not None and content_range[0] != found.offset:
         raise RangeInvalid("chunk does not start at the committed offset", offset=found.offset)
     expected = None if content_range is None else content_range[1] - content_range[0]
-    limit = ctx.settings.max_blob_bytes
     received = 0
-    with ctx.storage.stage_writer(StagedUpload(found.id, found.offset, found.storage_state)) as writer:
+    before = StagedUpload(found.id, found.offset, found.storage_state)
+    # The store's size limit is storage's to apply: its stage writer refuses past it.
+    with ctx.storage.stage_writer(before) as writer:
         while (chunk := (yield)) is not None:
             received += len(chunk)
             if expected is not None and received > expected:
                 raise SizeInvalid("chunk longer than its Content-Range", expected=expected)
-            if found.offset + received > limit:
-                raise TooLarge(f"blobs are at most {limit} bytes", limit=limit)
             writer.write(chunk)
+        if expected is not None and received != expected:
+            # Raised inside the writer, so that it aborts: its bytes are cut back.
+            raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=received)
         staged = writer.finish()
-    if expected is not None and staged.offset - found.offset != expected:
-        raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=staged.offset - found.offset)
     crash_point("session.staged")
     with ctx.db.session() as session:
         # Compare-and-set on the offset: of two racing chunks at one offset, one wins.
@@ -267,6 +297,8 @@ def append(
             .values(offset=staged.offset, storage_state=staged.state, expires_at=_expiry(ctx))
         ).rowcount
     if not moved:
+        # Only on a definite loss: after an error the update may have landed.
+        ctx.storage.stage_discard(before, staged)
         raise RangeInvalid("another chunk was committed at this offset", offset=found.offset)
     return staged.offset
 
@@ -294,9 +326,7 @@ def commit_session(
         raise
     crash_point("commit.stored")
     _forget_session(ctx, found.id)
-    with ctx.db.session() as session:
-        target = session.get(Repo, found.repo_id)
-    _link(ctx, claims, target, digest, size, action="blob.upload", session=found.id)
+    _link(ctx, claims, owner, repo, digest, size, action="blob.upload", session=found.id)
     return size
 
 

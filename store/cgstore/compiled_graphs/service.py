@@ -62,6 +62,7 @@ from cgstore.core.errors import (
     NameUnknown,
     SizeInvalid,
     StoreError,
+    Unavailable,
     hidden_miss,
 )
 from cgstore.core.names import ROOT_OWNER, validate_owner, validate_repo
@@ -71,8 +72,6 @@ from cgstore.tokens.claims import Claims
 
 ACTION_PUBLISH = "compiled_graph.publish"
 ACTION_YANK = "compiled_graph.yank"
-#: Distinct family labels one process gives the resolve metric; later families count as ``_other``.
-MAX_FAMILY_LABELS = 100
 
 #: A blob of a repo: ``(owner, repo, digest)``.
 BlobRef = tuple[str, str, str]
@@ -190,13 +189,28 @@ def _component_tuples(components: Iterable[ComponentRef]) -> list[tuple[str, str
     return [(c.name, c.digest, c.size) for c in components]
 
 
+#: Insert attempts when the record that blocked an insert is yanked before it can be read.
+_INSERT_ATTEMPTS = 3
+
+
 def _insert_if_absent(
     ctx: StoreContext, claims: Claims, target: Repo, row: CompiledGraph, manifest: Manifest
 ) -> Published:
-    target_name = f"{target.owner}/{target.name}:{row.key}"
-    # Signed in a session of its own (it reads the key ring), so the insert below stays the first statement.
+    # Signed once, in a session of its own (it reads the key ring), so each insert stays its transaction's first statement.
     with ctx.db.session() as session:
         row.receipt = _receipt(ctx, session, target, row, manifest)
+    for _ in range(_INSERT_ATTEMPTS):
+        published = _try_insert(ctx, claims, target, row, manifest)
+        if published is not None:
+            return published
+    raise Unavailable("the key's live record kept changing during this publish; retry")
+
+
+def _try_insert(
+    ctx: StoreContext, claims: Claims, target: Repo, row: CompiledGraph, manifest: Manifest
+) -> Published | None:
+    """Insert, or compare with the live record that blocked the insert; None if that record vanished (yanked)."""
+    target_name = f"{target.owner}/{target.name}:{row.key}"
     values = {c.key: getattr(row, c.key) for c in CompiledGraph.__table__.columns if c.key != "id"}
     with ctx.db.session() as session:
         # The write comes first: SQLite takes its write lock here (no read-then-upgrade
@@ -212,6 +226,8 @@ def _insert_if_absent(
                   detail={"result": "created", "artifact": row.artifact_digest, "component_set": row.component_set})
             return Published(_publish_answer(target, row, "created"), created=True)
         live = _live_record(session, target.id, row.key, row.scope)
+        if live is None:
+            return None
         same = live.artifact_digest == row.artifact_digest and live.component_set == row.component_set
         if same and live.receipt is None:  # published before receipts (revision 0007): vouch for it now
             live.receipt = _receipt(ctx, session, target, live, manifest)
@@ -492,15 +508,6 @@ def _answer(key: str, row, components: dict[int, list], urls: dict[BlobRef, str]
     }
 
 
-_family_labels: set[str] = set()
-
-
 def _count(ctx: StoreContext, family: str, answers: list[dict[str, Any]]) -> None:
-    if family not in _family_labels and len(_family_labels) < MAX_FAMILY_LABELS:
-        _family_labels.add(family)
-    label = family if family in _family_labels else "_other"
     hits = sum(1 for answer in answers if answer["status"] == "hit")
-    if hits:
-        ctx.metrics.resolve_answers.labels(label, "hit").inc(hits)
-    if len(answers) - hits:
-        ctx.metrics.resolve_answers.labels(label, "miss").inc(len(answers) - hits)
+    ctx.metrics.count_resolve(family, hits, len(answers) - hits)

@@ -12,6 +12,10 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
+#: Distinct family labels of the resolve metric (bounded cardinality).
+MAX_FAMILY_LABELS = 100
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -42,6 +46,18 @@ class Metrics:
             "cgstore_resolve_answers_total", "Resolve answers per family: hit or miss.", ["family", "status"],
             registry=self.registry,
         )
+        self._families: set[str] = set()
+
+    def count_resolve(self, family: str, hits: int, misses: int) -> None:
+        """Hits and misses of one resolve. Families are caller-chosen strings: the first
+        ``MAX_FAMILY_LABELS`` get labels of their own, later ones count as ``_other``."""
+        if family not in self._families and len(self._families) < MAX_FAMILY_LABELS:
+            self._families.add(family)
+        label = family if family in self._families else "_other"
+        if hits:
+            self.resolve_answers.labels(label, "hit").inc(hits)
+        if misses:
+            self.resolve_answers.labels(label, "miss").inc(misses)
 
     def watch_upload_sessions(self, count: Callable[[], int]) -> None:
         """Read the open-session count from the database at scrape time (any process may change it)."""
