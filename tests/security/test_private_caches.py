@@ -112,7 +112,8 @@ def test_a_second_tenant_with_the_same_bytes_has_a_cache_of_its_own(store, cache
             record = client.get(pub.path("acme", name))
             assert record.json()["publisher"]["principal"] == who
             assert client.head(f"/v1/repos/acme/{name}/blobs/{pub.artifact.digest}").status_code == 200
-            (hit,) = client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": [pub.key]}).json()["answers"]
+            resolved = client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": [pub.key]})
+            (hit,) = resolved.json()["answers"]
             assert hit["receipt"] == receipts[who]
     for who, receipt in receipts.items():
         assert jwt.decode(receipt, options={"verify_signature": False})["publisher"] == who

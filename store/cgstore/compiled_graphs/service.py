@@ -2,14 +2,15 @@
 
 Publish runs admission (``admission.py``) outside any transaction, then one
 short transaction inserts the record if the key has no live record, with its
-components, its signed receipt (``receipts.py``) and its audit entry. Never last-writer-wins: ``INSERT ... ON
-CONFLICT DO NOTHING`` against the partial unique index decides one winner
-among racing publishes; the others compare with the winner (same artifact and
-same components: 200, else 409 ``KEY_CONFLICT``, audited as a non-reproducible
-mint). In a private cache the write-once scope is the publisher's own
-(``models.py``), so one tenant's publish never learns of another's record. Nothing is written before admission passed, and the record only names
-blobs whose rows exist (foreign keys), so a record never points at bytes the
-database does not hold.
+components, its signed receipt (``receipts.py``) and its audit entry. Never
+last-writer-wins: ``INSERT ... ON CONFLICT DO NOTHING`` against the partial
+unique index decides one winner among racing publishes; the others compare
+with the winner (same artifact and same components: 200, else 409
+``KEY_CONFLICT``, audited as a non-reproducible mint). In a private cache the
+write-once scope is the publisher's own (``models.py``), so one tenant's
+publish never learns of another's record. Nothing is written before admission
+passed, and the record only names blobs whose rows exist (foreign keys), so a
+record never points at bytes the database does not hold.
 
 Resolve answers up to ``MAX_RESOLVE_KEYS`` keys in two SQL statements
 whatever the count (one for the candidate records with their repos, one for
@@ -196,7 +197,8 @@ _INSERT_ATTEMPTS = 3
 def _insert_if_absent(
     ctx: StoreContext, claims: Claims, target: Repo, row: CompiledGraph, manifest: Manifest
 ) -> Published:
-    # Signed once, in a session of its own (it reads the key ring), so each insert stays its transaction's first statement.
+    # Signed once, in a session of its own (it reads the key ring): each insert attempt
+    # below stays the first statement of its transaction.
     with ctx.db.session() as session:
         row.receipt = _receipt(ctx, session, target, row, manifest)
     for _ in range(_INSERT_ATTEMPTS):
@@ -296,9 +298,12 @@ def _visible(query, claims: Claims, target: Repo):
 def get_record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str) -> Record:
     with ctx.db.session() as session:
         target = _readable(session, ctx, claims, owner, repo, key)
-        live = session.scalar(_visible(_live(target.id, key), claims, target).limit(1)) if is_key(key) else None
-        if live is None and is_key(key) and session.scalar(_live(target.id, key).limit(1)) is not None:
-            raise hidden_miss(NameUnknown, "no such compiled graph", key=key[:120])
+        live = None
+        if is_key(key):
+            live = session.scalar(_visible(_live(target.id, key), claims, target).limit(1))
+            if live is None and session.scalar(_live(target.id, key).limit(1)) is not None:
+                # Another principal's record in a private cache: the absent miss, audited as a denial.
+                raise hidden_miss(NameUnknown, "no such compiled graph", key=key[:120])
         if live is None:
             raise NameUnknown("no such compiled graph", key=key[:120])
         components = _components_of(session, [live.id])
