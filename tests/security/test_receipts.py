@@ -3,7 +3,7 @@
 This module imports nothing of the server: it talks to the running ``store``
 over HTTP (both configurations), rotates the key ring through the operator's
 CLI in a subprocess, and verifies receipts with PyJWT directly and with the
-client package's ``verify_receipt``.
+client package's ``verify_receipt``. Retiring a key re-signs its receipts.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ def offline_claims(receipt: str, keys: dict, issuer: str) -> dict:
     return jwt.decode(receipt, jwt.PyJWK(jwk).key, algorithms=["EdDSA"], audience=RECEIPT_AUDIENCE, issuer=issuer)
 
 
-def rotate(store) -> str:
-    """``cgstore keys rotate`` against the running store's database: the new kid."""
-    env = {**os.environ, "CGSTORE_HOME": str(store.settings.home)}
-    if store.settings.database_url:
-        env["CGSTORE_DATABASE_URL"] = store.settings.database_url
-    done = subprocess.run([sys.executable, "-m", "cgstore.cli", "keys", "rotate"], env=env,
+def cli(live, *args: str) -> str:
+    """The operator's CLI against the running store's home and database (a subprocess): its output."""
+    env = {**os.environ, "CGSTORE_HOME": str(live.settings.home)}
+    if live.settings.database_url:
+        env["CGSTORE_DATABASE_URL"] = live.settings.database_url
+    done = subprocess.run([sys.executable, "-m", "cgstore.cli", *args], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
@@ -145,7 +145,7 @@ def test_a_receipt_still_verifies_after_key_rotation(store, tenant, pt2_archive)
                         envelope={"shapes": [[768, 768]], "text_len": 256})
     with store.client(token) as client:
         old = publish(client, "acme", name, before).json()["receipt"]
-        new_kid = rotate(store)  # no restart: the running store signs with it from the next publish
+        new_kid = cli(store, "keys", "rotate")  # no restart: the running store signs with it from the next publish
         new = publish(client, "acme", name, after).json()["receipt"]
     old_kid = jwt.get_unverified_header(old)["kid"]
     assert jwt.get_unverified_header(new)["kid"] == new_kid != old_kid
@@ -155,3 +155,40 @@ def test_a_receipt_still_verifies_after_key_rotation(store, tenant, pt2_archive)
         assert offline_claims(receipt, keys, store.settings.token_issuer)["key"] == pub.key
         verify_receipt(receipt, keys, expect_key=pub.key, expect_artifact=pub.artifact.digest,
                        expect_components={"consts": pub.components["consts"].digest})
+
+
+def test_retiring_a_key_re_signs_its_receipts(make_store, pt2_archive):
+    """Its receipts would die with its kid: the retire re-signs them, and resolve answers the new ones.
+
+    A store of its own (retiring the shared store's key would kill every other
+    test's tokens), embedded: an extra production store shares the session's
+    database but not its bucket, so the archive's bytes, already recorded by
+    the shared store, would be missing from its storage.
+    """
+    live = make_store("embedded")
+    name = unique_repo("rcpt-retire")
+    token = live.mint("minter", f"acme/{name}:read,write")
+    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": CONSTANTS})
+    with live.client(token) as client:
+        published = publish(client, "acme", name, pub)
+        assert published.status_code == 201, published.text
+        old = published.json()["receipt"]
+    old_kid = jwt.get_unverified_header(old)["kid"]
+    new_kid = cli(live, "keys", "rotate")
+    assert cli(live, "keys", "retire", old_kid) == f"retired {old_kid}"
+
+    keys = jwks(live)
+    assert old_kid not in {k["kid"] for k in keys["keys"]}
+    expect = {"expect_key": pub.key, "expect_artifact": pub.artifact.digest,
+              "expect_components": {"consts": pub.components["consts"].digest}}
+    with pytest.raises(ReceiptInvalid, match="unknown key"):
+        verify_receipt(old, keys, **expect)
+    fresh = live.mint("minter", f"acme/{name}:read,write")  # the first token died with its key
+    with live.client(fresh) as client:
+        resolved = client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": [pub.key]})
+        again = client.put(pub.path("acme", name), json=pub.manifest)
+    (hit,) = resolved.json()["answers"]
+    assert jwt.get_unverified_header(hit["receipt"])["kid"] == new_kid
+    assert again.status_code == 200 and again.json()["receipt"] == hit["receipt"]
+    claims = verify_receipt(hit["receipt"], keys, **expect, expect_issuer=live.settings.token_issuer)
+    assert claims == jwt.decode(old, options={"verify_signature": False})  # the same facts, a new signature

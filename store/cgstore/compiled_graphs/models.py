@@ -63,6 +63,7 @@ class CompiledGraph(Base):
       yank_reason           why.
       health                ok | blob_missing | blob_corrupt (set by the scrub).
       receipt               the signed publish receipt (compiled_graphs/receipts.py), answered with the record.
+      receipt_kid           the key that signed the receipt (re-signed when that key retires).
       scope                 write-once scope: '' (the repo), or the publisher in a private cache.
     """
 
@@ -112,6 +113,7 @@ class CompiledGraph(Base):
     yank_reason: Mapped[str | None] = mapped_column(String(1000), nullable=True)
     health: Mapped[str] = mapped_column(String(16), nullable=False, default=HEALTH_OK)
     receipt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    receipt_kid: Mapped[str | None] = mapped_column(String(16), nullable=True, index=True)
     scope: Mapped[str] = mapped_column(String(200), nullable=False, default="")
 
 

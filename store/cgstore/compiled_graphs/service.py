@@ -200,7 +200,7 @@ def _insert_if_absent(
     # Signed once, in a session of its own (it reads the key ring): each insert attempt
     # below stays the first statement of its transaction.
     with ctx.db.session() as session:
-        row.receipt = _receipt(ctx, session, target, row, manifest)
+        _stamp(ctx, session, target, row, manifest)
     for _ in range(_INSERT_ATTEMPTS):
         published = _try_insert(ctx, claims, target, row, manifest)
         if published is not None:
@@ -232,7 +232,7 @@ def _try_insert(
             return None
         same = live.artifact_digest == row.artifact_digest and live.component_set == row.component_set
         if same and live.receipt is None:  # published before receipts (revision 0007): vouch for it now
-            live.receipt = _receipt(ctx, session, target, live, manifest)
+            _stamp(ctx, session, target, live, manifest)
         detail = {"live": {"artifact": live.artifact_digest, "component_set": live.component_set},
                   "offered": {"artifact": row.artifact_digest, "component_set": row.component_set}}
         audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH, target=target_name,
@@ -246,9 +246,9 @@ def _try_insert(
     return Published(_publish_answer(target, live, "exists"), created=False)
 
 
-def _receipt(ctx: StoreContext, session: Session, target: Repo, row: CompiledGraph, manifest: Manifest) -> str:
-    """The receipt for ``row``; ``manifest``'s components are the record's (the same component set)."""
-    return receipts.sign(
+def _stamp(ctx: StoreContext, session: Session, target: Repo, row: CompiledGraph, manifest: Manifest) -> None:
+    """Sign ``row``'s receipt; ``manifest``'s components are the record's (the same component set)."""
+    receipts.stamp(
         session, ctx.tokens.keys, issuer=ctx.settings.token_issuer, repo=f"{target.owner}/{target.name}", row=row,
         components=((c.name, c.digest) for c in manifest.components),
     )
