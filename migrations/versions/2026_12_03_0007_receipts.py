@@ -1,7 +1,7 @@
 """Signed publish receipts: the receipt a publish answered, kept on the record it vouches for.
 
 Revision ID: 0007_receipts
-Revises: 0005_records
+Revises: 0006_operations
 Create Date: 2026-12-03
 
 Reviewed by hand against store/cgstore/compiled_graphs/models.py. The
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0007_receipts"
-down_revision = "0005_records"
+down_revision = "0006_operations"
 branch_labels = None
 depends_on = None
 
