@@ -1,27 +1,46 @@
-"""Receipt verification: a record is trusted only when the store's signature over it checks out.
+"""Publish receipts: the store's signed statement that a record was admitted, verified offline.
 
-A receipt is the store's signed statement that a key was published with a given
-artifact (and components). The client verifies it against the store's public
-keys (``GET /v1/keys``, a JWKS of Ed25519 keys, fetched once and kept in the
-cache so offline boots verify too) before it trusts a record — a resolved one
-or one read back from ``records/<key>.json``.
+A receipt is a compact JWS (EdDSA, Ed25519) the store signs with its key ring
+on every successful publish (201 or 200) and hands back with every resolve hit
+and record read. Anyone holding the store's JWKS (``GET /v1/keys``, no token
+needed) verifies it with PyJWT alone; nothing else of the store is involved.
 
-Verification is pluggable (``Client(receipt_verifier=...)``): a verifier is a
-callable ``(entry, receipt, jwks) -> None`` that raises :class:`ReceiptInvalid`.
-The default, :func:`verify_jws_receipt`, checks a compact EdDSA JWS whose
-payload names the ``key`` and the ``artifact`` digest (and ``components``, when
-present) of the entry: an edited digest in a cached record no longer matches
-what the store signed.
+Header: ``alg`` = ``EdDSA``, ``kid`` (a key of the JWKS), ``typ`` =
+``cgstore-receipt+jwt``. Claims:
+
+==============  ================================================================
+``iss``         the store's issuer (its ``token_issuer`` setting)
+``aud``         ``cgstore-receipt``
+``iat``         publish time (the record's ``created_at``), epoch seconds
+``repo``        ``owner/repo`` the record lives in
+``key``         the ck1 key
+``artifact``    the ``.pt2`` blob's digest
+``components``  ``{name: digest}`` of the named components (``{}`` when none)
+``graph``       the graph digest measured from the archive at admission
+``publisher``   the principal (token ``sub``) that published it
+==============  ================================================================
+
+The ``typ`` and ``aud`` keep receipts and cap-tokens apart both ways: the
+store refuses a receipt presented as a bearer token (401 ``TOKEN_INVALID``),
+and :func:`verify_receipt` refuses a cap-token (``typ`` ``JWT``, ``aud``
+``cgstore``). A receipt has no ``exp``: it stays verifiable while its ``kid``
+is in the JWKS, that is until the operator retires that key.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from cgstore_client.errors import CgstoreError
+
+RECEIPT_TYP = "cgstore-receipt+jwt"
+RECEIPT_AUDIENCE = "cgstore-receipt"
+RECEIPT_ALGORITHM = "EdDSA"
+#: Every claim a receipt carries; a receipt missing one is refused.
+RECEIPT_CLAIMS = ("iss", "aud", "iat", "repo", "key", "artifact", "components", "graph", "publisher")
+# Clock skew tolerated on ``iat`` between the store and the verifier.
+_LEEWAY_S = 300
 
 
 class ReceiptInvalid(CgstoreError):
@@ -32,45 +51,87 @@ class ReceiptInvalid(CgstoreError):
 ReceiptVerifier = Callable[[Mapping[str, Any], object, Mapping[str, Any]], None]
 
 
-def _b64(part: str) -> bytes:
-    return base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+def verify_receipt(
+    receipt: object,
+    jwks: Mapping[str, Any] | list[Mapping[str, Any]],
+    *,
+    expect_key: str,
+    expect_artifact: str,
+    expect_components: Mapping[str, str] | None = None,
+    expect_issuer: str | None = None,
+    expect_repo: str | None = None,
+) -> dict[str, Any]:
+    """The claims of ``receipt`` if the JWKS verifies it and it vouches for exactly what is expected.
 
+    ``expect_components`` maps component names to digests (``None`` or ``{}``:
+    a record without components). ``expect_issuer`` and ``expect_repo`` are
+    checked when given. Anything else raises :class:`ReceiptInvalid`.
+    """
+    import jwt
 
-def _public_key(jwks: Mapping[str, Any], kid: object):
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-    for jwk in jwks.get("keys") or []:
-        if jwk.get("kid") == kid and jwk.get("kty") == "OKP" and jwk.get("crv") == "Ed25519":
-            return Ed25519PublicKey.from_public_bytes(_b64(jwk["x"]))
-    raise ReceiptInvalid(f"receipt signed by unknown key {kid!r}")
-
-
-def _vouched(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """What a receipt must vouch for: the key, the artifact digest, the components' digests by name."""
-    claims: dict[str, Any] = {"key": entry.get("key"), "artifact": (entry.get("artifact") or {}).get("digest")}
-    components = entry.get("components") or []
-    if components:
-        claims["components"] = {c["name"]: c["digest"] for c in components}
+    header = _header(receipt)
+    try:
+        claims = jwt.decode(
+            receipt,
+            _public_key(jwks, header.get("kid")),
+            algorithms=[RECEIPT_ALGORITHM],
+            audience=RECEIPT_AUDIENCE,
+            issuer=expect_issuer,
+            leeway=_LEEWAY_S,
+            options={"require": list(RECEIPT_CLAIMS), "verify_iss": expect_issuer is not None},
+        )
+    except jwt.InvalidSignatureError as err:
+        raise ReceiptInvalid("receipt signature does not verify") from err
+    except jwt.PyJWTError as err:
+        raise ReceiptInvalid(f"receipt refused: {err}") from err
+    # Exact, not PyJWT's "the aud list contains ours".
+    if claims["aud"] != RECEIPT_AUDIENCE:
+        raise ReceiptInvalid(f"receipt audience is not {RECEIPT_AUDIENCE!r}")
+    expected = {"key": expect_key, "artifact": expect_artifact, "components": dict(expect_components or {})}
+    if expect_repo is not None:
+        expected["repo"] = expect_repo
+    signed = {name: claims.get(name) for name in expected}
+    if signed != expected:
+        raise ReceiptInvalid(f"receipt vouches for {signed}, the record says {expected}")
     return claims
 
 
 def verify_jws_receipt(entry: Mapping[str, Any], receipt: object, jwks: Mapping[str, Any]) -> None:
-    """Verify a compact EdDSA JWS receipt against ``jwks`` and that it vouches for ``entry``."""
-    from cryptography.exceptions import InvalidSignature
+    """:func:`verify_receipt` for a resolved entry (``key``, ``artifact.digest``, ``components[]``)."""
+    verify_receipt(
+        receipt,
+        jwks,
+        expect_key=entry.get("key"),
+        expect_artifact=(entry.get("artifact") or {}).get("digest"),
+        expect_components={c["name"]: c["digest"] for c in entry.get("components") or []},
+    )
+
+
+def _header(receipt: object) -> dict[str, Any]:
+    """The unverified header, refused unless it is a receipt's (so a cap-token never passes for one)."""
+    import jwt
 
     if not isinstance(receipt, str) or receipt.count(".") != 2:
         raise ReceiptInvalid("a receipt is a compact JWS")
-    head, body, signature = receipt.split(".")
     try:
-        header, payload = json.loads(_b64(head)), json.loads(_b64(body))
-    except ValueError as err:
+        header = jwt.get_unverified_header(receipt)
+    except jwt.PyJWTError as err:
         raise ReceiptInvalid(f"unreadable receipt: {err}") from err
-    if not isinstance(header, dict) or header.get("alg") != "EdDSA" or not isinstance(payload, dict):
-        raise ReceiptInvalid("a receipt is an EdDSA JWS with a JSON object payload")
-    try:
-        _public_key(jwks, header.get("kid")).verify(_b64(signature), f"{head}.{body}".encode())
-    except (InvalidSignature, ValueError) as err:
-        raise ReceiptInvalid("receipt signature does not verify") from err
-    signed = {name: payload.get(name) for name in _vouched(entry)}
-    if signed != _vouched(entry):
-        raise ReceiptInvalid(f"receipt vouches for {signed}, the record says {_vouched(entry)}")
+    if header.get("typ") != RECEIPT_TYP:
+        raise ReceiptInvalid(f"not a receipt (typ {header.get('typ')!r}, expected {RECEIPT_TYP!r})")
+    if header.get("alg") != RECEIPT_ALGORITHM:
+        raise ReceiptInvalid(f"receipt algorithm {header.get('alg')!r} not accepted (EdDSA only)")
+    return header
+
+
+def _public_key(jwks: Mapping[str, Any] | list[Mapping[str, Any]], kid: object):
+    import jwt
+
+    keys = (jwks.get("keys") or []) if isinstance(jwks, Mapping) else jwks
+    for jwk in keys:
+        if jwk.get("kid") == kid and jwk.get("kty") == "OKP" and jwk.get("crv") == "Ed25519":
+            try:
+                return jwt.PyJWK(dict(jwk), algorithm=RECEIPT_ALGORITHM).key
+            except jwt.PyJWTError as err:
+                raise ReceiptInvalid(f"unusable key {kid!r} in the JWKS: {err}") from err
+    raise ReceiptInvalid(f"receipt signed by unknown key {kid!r}")

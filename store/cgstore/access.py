@@ -11,6 +11,19 @@ Reading
   - A refused read is answered as a miss identical to an absent thing
     (the caller raises ``hidden_miss``), never as 403.
 
+Private tenant caches (a repo with visibility ``principal``)
+  - On top of the read rule, each principal reads only what that principal
+    put there: the records it published (``publisher``) and the blobs it
+    uploaded or mounted there (``repo_blob_holders``). Everyone else with a read
+    grant gets, in resolve, record reads, listings and blob HEAD/GET, exactly
+    the miss an absent key or digest gets (status, body, headers). No grant
+    lifts this, ``admin`` included: a tenant's cache is that tenant's.
+  - Writing is the write rule; but a blob counts as present in the repo, for
+    ``blobs:missing`` and for the blobs a publish names, only when the caller
+    holds it. A second tenant with the same bytes uploads them (they are hashed,
+    never trusted) and holds its own link; knowing a digest grants nothing.
+  - ``owner`` repos: a read grant reads everything in the repo.
+
 Writing (blob uploads, mounts, publishes; the preflight asks the same question)
   - A ``write`` grant matching owner and repo, else 403 ``DENIED``.
   - Owner authority: a tenant writes only under owners it holds (claimed with
@@ -52,6 +65,7 @@ from dataclasses import dataclass
 
 from cgstore.core.errors import Denied, RootReserved, StoreError
 from cgstore.core.names import ROOT_OWNER, is_reserved_owner, validate_owner, validate_repo
+from cgstore.repos.models import PRIVATE
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.grants import ADMIN, OWNER_CREATE, READ, WILDCARD, WRITE, Grant, is_subset
 
@@ -86,6 +100,21 @@ def can_read(claims: Claims, owner: str, repo: str) -> Decision:
     if owner == ROOT_OWNER or claims.allows(owner, repo, READ):
         return ALLOWED
     return _refuse(Denied(f"token grants no read on {owner}/{repo}", repo=f"{owner}/{repo}"))
+
+
+def private_reader(claims: Claims, visibility: str) -> str | None:
+    """Whose records and blobs alone ``claims`` may see in a repo of ``visibility``; None: everyone's.
+
+    Services filter their queries by it (publisher, blob holder) so that the
+    rows of other principals are never even loaded.
+    """
+    return claims.sub if visibility == PRIVATE else None
+
+
+def can_read_item(claims: Claims, visibility: str, put_there_by: str) -> bool:
+    """Whether a record (its publisher) or a blob link (its holder) in a readable repo is visible to ``claims``."""
+    reader = private_reader(claims, visibility)
+    return reader is None or reader == put_there_by
 
 
 # -- writing ------------------------------------------------------------------------------

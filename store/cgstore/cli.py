@@ -185,15 +185,23 @@ def keys_rotate() -> None:
 
 @keys_app.command("retire")
 def keys_retire(kid: str) -> None:
-    """Stop accepting KID: every token it signed answers 401 from the next request on."""
+    """Stop accepting KID: every token it signed answers 401 from the next request on.
+
+    The publish receipts KID signed are re-signed with the current key in the same
+    transaction: records stay verifiable against ``GET /v1/keys``.
+    """
+    import cgstore.models  # noqa: F401  (every table: the records' foreign keys must resolve)
     from cgstore.audit.service import record
+    from cgstore.compiled_graphs.receipts import resign
 
     service = _token_service()
     try:
         with service.db.session() as session:
             changed = service.keys.retire(session, kid)
             if changed:
-                record(session, actor="cli", jti=None, action="key.retire", target=kid)
+                resigned = resign(session, service.keys, issuer=Settings().token_issuer, retired_kid=kid)
+                record(session, actor="cli", jti=None, action="key.retire", target=kid,
+                       detail={"receipts_resigned": resigned})
     except StoreError as err:
         raise _fail(err) from None
     typer.echo(f"retired {kid}" if changed else f"{kid} was already retired")

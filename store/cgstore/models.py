@@ -1,7 +1,7 @@
 """Imports every feature's models so ``Base.metadata`` knows all tables (Alembic, tests)."""
 
 from cgstore.audit.models import AuditEvent
-from cgstore.blobs.models import Blob, RepoBlob, UploadSession
+from cgstore.blobs.models import Blob, RepoBlob, RepoBlobHolder, UploadSession
 from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
 from cgstore.core.db import Base
 from cgstore.operations.models import Lease
@@ -11,6 +11,6 @@ from cgstore.tokens.models import SigningKey, TokenRecord
 
 __all__ = [
     "AuditEvent", "Base", "Blob", "CompiledGraph", "CompiledGraphComponent", "Lease", "Owner", "Principal", "Repo",
-    "RepoBlob", "SigningKey", "TokenRecord",
+    "RepoBlob", "RepoBlobHolder", "SigningKey", "TokenRecord",
     "UploadSession",
 ]

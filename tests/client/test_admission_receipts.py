@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from pathlib import Path
 
 import pytest
 from cgstore_client.boot import Loaded
 from cgstore_client.keys import OUT_OF_ENVELOPE_REASON, Envelope
-from cgstore_client.receipts import ReceiptInvalid, verify_jws_receipt
+from cgstore_client.receipts import RECEIPT_AUDIENCE, RECEIPT_TYP, ReceiptInvalid, verify_jws_receipt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
@@ -34,8 +35,8 @@ def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def _jws(key: Ed25519PrivateKey, kid: str, payload: dict) -> str:
-    head = _b64(json.dumps({"alg": "EdDSA", "kid": kid}).encode())
+def _jws(key: Ed25519PrivateKey, kid: str, payload: dict, typ: str = RECEIPT_TYP) -> str:
+    head = _b64(json.dumps({"alg": "EdDSA", "kid": kid, "typ": typ}).encode())
     body = _b64(json.dumps(payload).encode())
     return f"{head}.{body}.{_b64(key.sign(f'{head}.{body}'.encode()))}"
 
@@ -46,17 +47,27 @@ def test_a_receipt_vouches_for_exactly_its_record():
     jwks = {"keys": [{"kty": "OKP", "crv": "Ed25519", "x": _b64(x), "kid": "k1", "alg": "EdDSA"}]}
     entry = {"key": "ck1-" + "1" * 56, "artifact": {"digest": "blake3:" + "a" * 64, "size": 3},
              "components": [{"name": "derived-constants", "digest": "blake3:" + "b" * 64, "size": 1}]}
-    signed = {"key": entry["key"], "artifact": entry["artifact"]["digest"],
-              "components": {"derived-constants": "blake3:" + "b" * 64}}
+    signed = {"iss": "cgstore", "aud": RECEIPT_AUDIENCE, "iat": int(time.time()), "repo": "acme/models",
+              "key": entry["key"], "artifact": entry["artifact"]["digest"],
+              "components": {"derived-constants": "blake3:" + "b" * 64}, "graph": "blake3:" + "c" * 64,
+              "publisher": "minter"}
     receipt = _jws(key, "k1", signed)
     verify_jws_receipt(entry, receipt, jwks)
     tampered = {**entry, "artifact": {"digest": "blake3:" + "c" * 64, "size": 3}}
     with pytest.raises(ReceiptInvalid, match="vouches for"):
         verify_jws_receipt(tampered, receipt, jwks)
+    with pytest.raises(ReceiptInvalid, match="vouches for"):
+        verify_jws_receipt({**entry, "components": []}, receipt, jwks)
     with pytest.raises(ReceiptInvalid, match="unknown key"):
         verify_jws_receipt(entry, _jws(key, "k2", signed), jwks)
     forged = _jws(Ed25519PrivateKey.generate(), "k1", signed)
     with pytest.raises(ReceiptInvalid, match="does not verify"):
         verify_jws_receipt(entry, forged, jwks)
+    with pytest.raises(ReceiptInvalid, match="not a receipt"):  # a cap-token's typ, signed by the same key
+        verify_jws_receipt(entry, _jws(key, "k1", signed, typ="JWT"), jwks)
+    with pytest.raises(ReceiptInvalid, match="Audience"):
+        verify_jws_receipt(entry, _jws(key, "k1", {**signed, "aud": "cgstore"}), jwks)
+    with pytest.raises(ReceiptInvalid, match="publisher"):
+        verify_jws_receipt(entry, _jws(key, "k1", {k: v for k, v in signed.items() if k != "publisher"}), jwks)
     with pytest.raises(ReceiptInvalid):
         verify_jws_receipt(entry, "not-a-jws", jwks)

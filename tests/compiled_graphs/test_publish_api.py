@@ -8,11 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from cgstore.audit.models import AuditEvent
 from cgstore.compiled_graphs.models import CompiledGraph
 from cgstore.repos.models import Repo
+from cgstore_client.receipts import verify_receipt
 from cgstore_client.wire.records import PublishAnswer, Record
 from tests.compiled_graphs.support import (
     error_code,
@@ -49,7 +50,8 @@ def test_publish_creates_the_record_and_get_returns_manifest_and_derived_facts(
         created = publish(client, "acme", name, pub)
         assert created.status_code == 201, created.text
         answer = PublishAnswer.model_validate_json(created.content)
-        assert (answer.status, answer.key, answer.repo, answer.receipt) == ("created", pub.key, f"acme/{name}", None)
+        assert (answer.status, answer.key, answer.repo) == ("created", pub.key, f"acme/{name}")
+        assert answer.receipt and answer.receipt.count(".") == 2  # a compact JWS (tests/security/test_receipts.py)
         got = client.get(pub.path("acme", name))
     assert got.status_code == 200, got.text
     record = Record.model_validate_json(got.content)
@@ -145,3 +147,27 @@ def test_publish_outcomes_are_counted(store, tenant, pt2_archive, report_a, cons
     assert 'cgstore_publish_total{code="",outcome="created"}' in metrics
     assert 'cgstore_publish_total{code="",outcome="exists"}' in metrics
     assert 'cgstore_publish_total{code="KIND_RETIRED",outcome="refused"}' in metrics
+
+
+def test_a_re_publish_signs_a_receipt_for_a_record_published_before_receipts(
+    store, tenant, pt2_archive, report_a, constants_a
+):
+    """Revision 0007 leaves older records without one; their next idempotent publish vouches for them."""
+    name, token = tenant
+    pub = publication(pt2_archive, report_a, components={"consts": constants_a})
+    with store.client(token) as client:
+        first = publish(client, "acme", name, pub)
+        assert first.status_code == 201, first.text
+        with store.context.db.session() as session:
+            session.execute(update(CompiledGraph).where(CompiledGraph.key == pub.key, CompiledGraph.repo_id.in_(
+                select(Repo.id).where(Repo.owner == "acme", Repo.name == name))).values(receipt=None))
+        assert client.get(pub.path("acme", name)).json()["receipt"] is None
+        again = client.put(pub.path("acme", name), json=pub.manifest)
+        assert again.status_code == 200, again.text
+        receipt = again.json()["receipt"]
+        jwks = client.get("/v1/keys").json()
+        claims = verify_receipt(receipt, jwks, expect_key=pub.key, expect_artifact=pub.artifact.digest,
+                                expect_components={"consts": pub.components["consts"].digest},
+                                expect_repo=f"acme/{name}")
+        assert claims["publisher"] == "minter"
+        assert client.get(pub.path("acme", name)).json()["receipt"] == receipt  # kept

@@ -133,6 +133,8 @@ class Record(_Wire):
     created_at: dt.datetime
     health: Literal["ok", "blob_missing", "blob_corrupt"] = "ok"
     yank: Yank | None = None
+    #: The publish receipt (``cgstore_client.receipts``); None only for records published before receipts.
+    receipt: str | None = None
 
 
 class PublishAnswer(_Wire):
@@ -142,7 +144,7 @@ class PublishAnswer(_Wire):
     key: str
     repo: str
     artifact: Artifact
-    #: A signed publish receipt, when the store issues them.
+    #: The signed publish receipt (``cgstore_client.receipts``): the same one a 200 re-publish answers.
     receipt: str | None = None
 
 
@@ -202,6 +204,8 @@ class ResolveHit(_Wire):
     record: RecordFacts
     artifact: DownloadRef
     components: list[ComponentDownload]
+    #: The record's publish receipt, verifiable offline against ``GET /v1/keys``.
+    receipt: str | None = None
 
 
 class ResolveMiss(_Wire):

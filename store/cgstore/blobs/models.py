@@ -1,10 +1,10 @@
-"""Tables of the blobs feature: stored blobs, their per-repo links, upload sessions."""
+"""Tables of the blobs feature: stored blobs, their per-repo links and who holds them, upload sessions."""
 
 from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Integer, String
+from sqlalchemy import JSON, BigInteger, ForeignKey, ForeignKeyConstraint, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cgstore.core.db import Base, UTCDateTime, utcnow
@@ -50,6 +50,30 @@ class RepoBlob(Base):
     )
     digest: Mapped[str] = mapped_column(String(71), ForeignKey("blobs.digest"), primary_key=True, index=True)
     linked_by: Mapped[str] = mapped_column(String(200), nullable=False)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
+
+
+class RepoBlobHolder(Base):
+    """A principal that linked a blob into a repo (by upload or mount): one row per principal.
+
+    In a ``principal`` repo only the holders of a blob read it (``cgstore.access``);
+    two tenants who upload the same bytes each hold their own link.
+
+    Columns:
+      repo_id     the repo.
+      digest      the blob.
+      principal   who uploaded or mounted it there.
+      created_at  when they first did.
+    """
+
+    __tablename__ = "repo_blob_holders"
+    __table_args__ = (
+        ForeignKeyConstraint(["repo_id", "digest"], ["repo_blobs.repo_id", "repo_blobs.digest"], ondelete="CASCADE"),
+    )
+
+    repo_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(71), primary_key=True)
+    principal: Mapped[str] = mapped_column(String(200), primary_key=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
 
 

@@ -14,7 +14,10 @@ waits on a slow client; a consumer closed mid-body aborts its write.
 
 Knowing a digest grants nothing: a repo gets a link only by sending the bytes
 (which are hashed even when the blob is already stored) or by mounting from a
-repo the caller can read.
+repo the caller can read. Every principal that links a blob into a repo is
+recorded as one of its holders (``repo_blob_holders``); in a private cache
+(``access.private_reader``) a blob exists, for reads, ``blobs:missing`` and the
+blobs a publish names, only for its holders.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from cgstore_client.keys import is_digest
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from cgstore import access
 from cgstore.audit.service import record
-from cgstore.blobs.models import Blob, RepoBlob, UploadSession
+from cgstore.blobs.models import Blob, RepoBlob, RepoBlobHolder, UploadSession
 from cgstore.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
 from cgstore.core.http import BodyConsumer
@@ -43,9 +47,11 @@ from cgstore.core.errors import (
     SizeInvalid,
     TooLarge,
     Unavailable,
+    hidden_miss,
 )
 from cgstore.core.faults import crash_point
 from cgstore.core.names import split_repo_path
+from cgstore.repos.models import Repo
 from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload
 from cgstore.tokens.claims import Claims
@@ -78,14 +84,34 @@ def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str
         found = readable_repo(
             session, claims, owner, repo, BlobUnknown, "blob unknown to this repo", digest=digest
         )
-        size = session.scalar(
-            select(Blob.size)
-            .join(RepoBlob, RepoBlob.digest == Blob.digest)
-            .where(RepoBlob.repo_id == found.id, Blob.digest == digest, Blob.collecting_since.is_(None))
-        )
+        size = session.execute(visible_blobs(claims, found, [digest])).first()
+        hidden = size is None and session.execute(_linked_blobs(found, [digest])).first() is not None
+    if hidden:  # linked by another principal of a private cache: the same miss, audited as a denial
+        raise hidden_miss(BlobUnknown, "blob unknown to this repo", digest=digest)
     if size is None:
         raise BlobUnknown("blob unknown to this repo", digest=digest)
-    return BlobLocation(digest, size)
+    return BlobLocation(digest, size.size)
+
+
+def _linked_blobs(target: Repo, digests: list[str]):
+    """``SELECT digest, size`` of those ``digests`` linked in ``target`` (a blob being collected is gone)."""
+    return (
+        select(Blob.digest, Blob.size)
+        .join(RepoBlob, RepoBlob.digest == Blob.digest)
+        .where(RepoBlob.repo_id == target.id, Blob.digest.in_(digests), Blob.collecting_since.is_(None))
+    )
+
+
+def visible_blobs(claims: Claims, target: Repo, digests: list[str]):
+    """``_linked_blobs`` that ``claims`` may see there: in a private cache, only the ones it holds."""
+    query = _linked_blobs(target, digests)
+    reader = access.private_reader(claims, target.visibility)
+    if reader is None:
+        return query
+    return query.join(
+        RepoBlobHolder,
+        (RepoBlobHolder.repo_id == RepoBlob.repo_id) & (RepoBlobHolder.digest == RepoBlob.digest),
+    ).where(RepoBlobHolder.principal == reader)
 
 
 def download_url(ctx: StoreContext, location: BlobLocation) -> str | None:
@@ -107,17 +133,9 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
         validate_digest(digest)
     with ctx.db.session() as session:
         target = writable_repo(session, claims, owner, repo)
-        linked = set() if target is None else set(
-            session.scalars(
-                select(RepoBlob.digest)
-                .join(Blob, Blob.digest == RepoBlob.digest)
-                .where(
-                    RepoBlob.repo_id == target.id,
-                    RepoBlob.digest.in_(set(digests)),
-                    Blob.collecting_since.is_(None),
-                )
-            )
-        )
+        linked = set() if target is None else {
+            row.digest for row in session.execute(visible_blobs(claims, target, list(set(digests))))
+        }
     return [d for d in dict.fromkeys(digests) if d not in linked]
 
 
@@ -207,6 +225,9 @@ def _link(
         _hold_or_store(session, digest, size)
         linked = insert_ignoring_conflicts(
             session, RepoBlob, repo_id=target.id, digest=digest, linked_by=claims.sub, created_at=utcnow()
+        )
+        insert_ignoring_conflicts(
+            session, RepoBlobHolder, repo_id=target.id, digest=digest, principal=claims.sub, created_at=utcnow()
         )
         record(
             session,

@@ -1,7 +1,10 @@
 """Tables of the compiled-graphs feature: records and the named components they bind.
 
-One *live* record per (repo, key): a partial unique index over the rows whose
-``yanked_at`` is NULL. A yanked record stays for audit, and the key can be
+One *live* record per (repo, key, scope): a partial unique index over the
+rows whose ``yanked_at`` is NULL. The scope is empty, except in a private
+cache (visibility ``principal``), where it is the publisher: each tenant's
+cache holds its own record of a key, and one tenant's publish tells nothing
+of another's. A yanked record stays for audit, and the key can be
 published again. Resolve and listing read only live rows, through partial
 indexes, so their cost follows the number of keys asked or rows listed, not
 the size of the table.
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, text
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cgstore.core.db import Base, UTCDateTime, utcnow
@@ -59,12 +62,15 @@ class CompiledGraph(Base):
       yanked_by             who yanked it.
       yank_reason           why.
       health                ok | blob_missing | blob_corrupt (set by the scrub).
+      receipt               the signed publish receipt (compiled_graphs/receipts.py), answered with the record.
+      receipt_kid           the key that signed the receipt (re-signed when that key retires).
+      scope                 write-once scope: '' (the repo), or the publisher in a private cache.
     """
 
     __tablename__ = "compiled_graphs"
     __table_args__ = (
-        # Write-once: at most one live record per key in a repo.
-        Index("uq_compiled_graphs_live_key", "repo_id", "key", unique=True,
+        # Write-once: at most one live record per key in a repo (per publisher in a private cache).
+        Index("uq_compiled_graphs_live_key", "repo_id", "key", "scope", unique=True,
               sqlite_where=_LIVE, postgresql_where=_LIVE),
         # Resolve: key first (the worker asks by key), then family.
         Index("ix_compiled_graphs_resolve", "key", "family", sqlite_where=_LIVE, postgresql_where=_LIVE),
@@ -107,6 +113,9 @@ class CompiledGraph(Base):
     yanked_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
     yank_reason: Mapped[str | None] = mapped_column(String(1000), nullable=True)
     health: Mapped[str] = mapped_column(String(16), nullable=False, default=HEALTH_OK)
+    receipt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    receipt_kid: Mapped[str | None] = mapped_column(String(16), nullable=True, index=True)
+    scope: Mapped[str] = mapped_column(String(200), nullable=False, default="")
 
 
 class CompiledGraphComponent(Base):

@@ -2,13 +2,15 @@
 
 Publish runs admission (``admission.py``) outside any transaction, then one
 short transaction inserts the record if the key has no live record, with its
-components and its audit entry. Never last-writer-wins: ``INSERT ... ON
-CONFLICT DO NOTHING`` against the partial unique index decides one winner
-among racing publishes; the others compare with the winner (same artifact and
-same components: 200, else 409 ``KEY_CONFLICT``, audited as a non-reproducible
-mint). Nothing is written before admission passed, and the record only names
-blobs whose rows exist (foreign keys), so a record never points at bytes the
-database does not hold.
+components, its signed receipt (``receipts.py``) and its audit entry. Never
+last-writer-wins: ``INSERT ... ON CONFLICT DO NOTHING`` against the partial
+unique index decides one winner among racing publishes; the others compare
+with the winner (same artifact and same components: 200, else 409
+``KEY_CONFLICT``, audited as a non-reproducible mint). In a private cache the
+write-once scope is the publisher's own (``models.py``), so one tenant's
+publish never learns of another's record. Nothing is written before admission
+passed, and the record only names blobs whose rows exist (foreign keys), so a
+record never points at bytes the database does not hold.
 
 Resolve answers up to ``MAX_RESOLVE_KEYS`` keys in two SQL statements
 whatever the count (one for the candidate records with their repos, one for
@@ -48,9 +50,9 @@ from sqlalchemy.orm import Session
 
 from cgstore import access
 from cgstore.audit.service import record as audit
-from cgstore.blobs.models import Blob, RepoBlob
-from cgstore.blobs.service import hold_blobs
-from cgstore.compiled_graphs import admission
+from cgstore.blobs.models import Blob
+from cgstore.blobs.service import hold_blobs, visible_blobs
+from cgstore.compiled_graphs import admission, receipts
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
 from cgstore.core.db import in_values, utcnow
@@ -109,7 +111,7 @@ def _publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str,
     derived = admission.check_manifest(key, manifest)
     with ctx.db.session() as session:
         target = find_repo(session, owner, repo)
-        sizes = _linked_sizes(session, target, manifest)
+        sizes = _linked_sizes(session, claims, target, manifest)
     report = admission.inspect_stored(
         ctx.storage.read(manifest.artifact.digest),
         sizes[manifest.artifact.digest],
@@ -122,19 +124,17 @@ def _publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str,
     return _insert_if_absent(ctx, claims, target, row, manifest)
 
 
-def _linked_sizes(session: Session, target: Repo | None, manifest: Manifest) -> dict[str, int]:
-    """Sizes of the artifact and components linked in the repo; any absent: ``BLOB_UNKNOWN`` (400)."""
+def _linked_sizes(session: Session, claims: Claims, target: Repo | None, manifest: Manifest) -> dict[str, int]:
+    """Sizes of the artifact and components linked in the repo; any absent: ``BLOB_UNKNOWN`` (400).
+
+    In a private cache only the caller's own blobs count: a record must never
+    point a reader at bytes another principal uploaded.
+    """
     wanted = {manifest.artifact.digest: manifest.artifact.size}
     wanted.update({c.digest: c.size for c in manifest.components})
     linked: dict[str, int] = {}
     if target is not None:
-        linked = dict(
-            session.execute(
-                select(Blob.digest, Blob.size)
-                .join(RepoBlob, RepoBlob.digest == Blob.digest)
-                .where(RepoBlob.repo_id == target.id, Blob.digest.in_(list(wanted)), Blob.collecting_since.is_(None))
-            ).all()
-        )
+        linked = dict(session.execute(visible_blobs(claims, target, list(wanted))).all())
     missing = [d for d in wanted if d not in linked]
     if missing:
         raise BlobReferenceUnknown("the manifest names blobs this repo does not hold", missing=missing)
@@ -184,6 +184,7 @@ def _new_row(
         mint_phases=manifest.evidence.mint_phases,
         publisher=claims.sub,
         publisher_jti=claims.jti,
+        scope=access.private_reader(claims, target.visibility) or "",
         created_at=utcnow(),
         health=HEALTH_OK,
     )
@@ -200,6 +201,10 @@ _INSERT_ATTEMPTS = 3
 def _insert_if_absent(
     ctx: StoreContext, claims: Claims, target: Repo, row: CompiledGraph, manifest: Manifest
 ) -> Published:
+    # Signed once, in a session of its own (it reads the key ring): each insert attempt
+    # below stays the first statement of its transaction.
+    with ctx.db.session() as session:
+        _stamp(ctx, session, target, row, manifest)
     for _ in range(_INSERT_ATTEMPTS):
         published = _try_insert(ctx, claims, target, row, manifest)
         if published is not None:
@@ -231,10 +236,12 @@ def _try_insert(
             audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH, target=target_name,
                   detail={"result": "created", "artifact": row.artifact_digest, "component_set": row.component_set})
             return Published(_publish_answer(target, row, "created"), created=True)
-        live = _live_record(session, target.id, row.key)
+        live = _live_record(session, target.id, row.key, row.scope)
         if live is None:
             return None
         same = live.artifact_digest == row.artifact_digest and live.component_set == row.component_set
+        if same and live.receipt is None:  # published before receipts (revision 0007): vouch for it now
+            _stamp(ctx, session, target, live, manifest)
         detail = {"live": {"artifact": live.artifact_digest, "component_set": live.component_set},
                   "offered": {"artifact": row.artifact_digest, "component_set": row.component_set}}
         audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH, target=target_name,
@@ -245,7 +252,15 @@ def _try_insert(
             "this key already holds different bytes (a non-reproducible mint); records are never overwritten",
             key=row.key, **detail,
         )
-    return Published(_publish_answer(target, row, "exists"), created=False)
+    return Published(_publish_answer(target, live, "exists"), created=False)
+
+
+def _stamp(ctx: StoreContext, session: Session, target: Repo, row: CompiledGraph, manifest: Manifest) -> None:
+    """Sign ``row``'s receipt; ``manifest``'s components are the record's (the same component set)."""
+    receipts.stamp(
+        session, ctx.tokens.keys, issuer=ctx.settings.token_issuer, repo=f"{target.owner}/{target.name}", row=row,
+        components=((c.name, c.digest) for c in manifest.components),
+    )
 
 
 def _insert_ignoring_live_conflict(session: Session):
@@ -256,18 +271,22 @@ def _insert_ignoring_live_conflict(session: Session):
     return insert(CompiledGraph).on_conflict_do_nothing()
 
 
-def _live_record(session: Session, repo_id: int, key: str) -> CompiledGraph | None:
-    return session.scalar(
-        select(CompiledGraph).where(
-            CompiledGraph.repo_id == repo_id, CompiledGraph.key == key, CompiledGraph.yanked_at.is_(None)
-        )
-    )
+def _live(repo_id: int, key: str):
+    """The live records of ``key`` in a repo, oldest first (several only in a private cache: one per publisher)."""
+    return select(CompiledGraph).where(
+        CompiledGraph.repo_id == repo_id, CompiledGraph.key == key, CompiledGraph.yanked_at.is_(None)
+    ).order_by(CompiledGraph.id)
+
+
+def _live_record(session: Session, repo_id: int, key: str, scope: str) -> CompiledGraph | None:
+    """The live record of ``key`` in its write-once ``scope``."""
+    return session.scalar(_live(repo_id, key).where(CompiledGraph.scope == scope))
 
 
 def _publish_answer(target: Repo, row: CompiledGraph, status: str) -> PublishAnswer:
     return PublishAnswer(
         status=status, key=row.key, repo=f"{target.owner}/{target.name}",
-        artifact=Artifact(digest=row.artifact_digest, size=row.artifact_size),
+        artifact=Artifact(digest=row.artifact_digest, size=row.artifact_size), receipt=row.receipt,
     )
 
 
@@ -280,20 +299,22 @@ def _readable(session: Session, ctx: StoreContext, claims: Claims, owner: str, r
 
 
 def _visible(query, claims: Claims, target: Repo):
-    """Same-principal rule: in a ``principal`` repo a reader sees only what they published."""
-    if target.visibility == "principal":
-        return query.where(CompiledGraph.publisher == claims.sub)
-    return query
+    """The private-cache rule (``access.private_reader``): only the reader's own records, when it applies."""
+    reader = access.private_reader(claims, target.visibility)
+    return query if reader is None else query.where(CompiledGraph.publisher == reader)
 
 
 def get_record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str) -> Record:
     with ctx.db.session() as session:
         target = _readable(session, ctx, claims, owner, repo, key)
-        live = _live_record(session, target.id, key) if is_key(key) else None
+        live = None
+        if is_key(key):
+            live = session.scalar(_visible(_live(target.id, key), claims, target).limit(1))
+            if live is None and session.scalar(_live(target.id, key).limit(1)) is not None:
+                # Another principal's record in a private cache: the absent miss, audited as a denial.
+                raise hidden_miss(NameUnknown, "no such compiled graph", key=key[:120])
         if live is None:
             raise NameUnknown("no such compiled graph", key=key[:120])
-        if target.visibility == "principal" and live.publisher != claims.sub:
-            raise hidden_miss(NameUnknown, "no such compiled graph", key=key[:120])
         components = _components_of(session, [live.id])
     return to_record(target, live, components.get(live.id, []))
 
@@ -363,7 +384,7 @@ def to_record(target: Repo, row: CompiledGraph, components: list[CompiledGraphCo
         key=row.key, repo=f"{target.owner}/{target.name}", manifest=manifest,
         input_contract=row.input_contract, binding_table=[Binding(**b) for b in row.binding_table],
         kernel_lane=row.kernel_lane, publisher=Publisher(principal=row.publisher, jti=row.publisher_jti),
-        created_at=row.created_at, health=row.health, yank=yank,
+        created_at=row.created_at, health=row.health, yank=yank, receipt=row.receipt,
     )
 
 
@@ -377,7 +398,8 @@ def yank(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, rea
     access.is_admin(claims).enforce()
     with ctx.db.session() as session:
         target = find_repo(session, owner, repo)
-        live = _live_record(session, target.id, key) if target is not None and is_key(key) else None
+        # In a private cache a key may have one live record per publisher: the oldest goes first.
+        live = session.scalar(_live(target.id, key).limit(1)) if target is not None and is_key(key) else None
         if live is None:
             raise NameUnknown("no such compiled graph", key=key[:120])
         now = utcnow()
@@ -399,7 +421,7 @@ _RESOLVE_COLUMNS = (
     CompiledGraph.lane, CompiledGraph.sm, CompiledGraph.graph_digest, CompiledGraph.envelope_digest,
     CompiledGraph.toolchain_digest, CompiledGraph.layout_display, CompiledGraph.layout_topology,
     CompiledGraph.layout_quant, CompiledGraph.created_at, CompiledGraph.publisher,
-    CompiledGraph.artifact_digest, CompiledGraph.artifact_size,
+    CompiledGraph.artifact_digest, CompiledGraph.artifact_size, CompiledGraph.receipt,
     Repo.owner, Repo.name, Repo.visibility,
 )
 
@@ -438,7 +460,7 @@ def _best_readable(ctx: StoreContext, claims: Claims, candidates) -> dict[str, A
         repo = (row.owner, row.name)
         if repo not in readable:
             readable[repo] = access.can_read(claims, row.owner, row.name).allowed
-        if not readable[repo] or (row.visibility == "principal" and row.publisher != claims.sub):
+        if not readable[repo] or not access.can_read_item(claims, row.visibility, row.publisher):
             continue
         current = best.get(row.key)
         if current is None or _rank(row) < _rank(current):
@@ -446,8 +468,8 @@ def _best_readable(ctx: StoreContext, claims: Claims, candidates) -> dict[str, A
     return best
 
 
-def _rank(row) -> tuple[bool, str, str]:
-    return (row.owner != ROOT_OWNER, row.owner, row.name)
+def _rank(row) -> tuple[bool, str, str, int]:
+    return (row.owner != ROOT_OWNER, row.owner, row.name, row.id)
 
 
 def _component_rows(session: Session, record_ids: list[int]) -> dict[int, list]:
@@ -496,6 +518,7 @@ def _answer(key: str, row, components: dict[int, list], urls: dict[BlobRef, str]
             {"name": c.name, "digest": c.digest, "size": c.size, "url": urls[(row.owner, row.name, c.digest)]}
             for c in components.get(row.id, [])
         ],
+        "receipt": row.receipt,
     }
 
 

@@ -9,7 +9,9 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from cgstore.core.db import Base, UTCDateTime, utcnow
 
-VISIBILITIES = ("owner", "principal")
+#: A repo of per-principal private caches (the rule is ``cgstore.access``'s).
+PRIVATE = "principal"
+VISIBILITIES = ("owner", PRIVATE)
 
 
 class Repo(Base):

@@ -19,6 +19,8 @@ from cgstore.tokens.grants import Grant, grant_allows, grant_allows_owner, grant
 
 AUDIENCE = "cgstore"
 ALGORITHM = "EdDSA"
+#: The header ``typ`` of a cap-token (a publish receipt has its own: ``cgstore_client.receipts``).
+TOKEN_TYP = "JWT"
 MAX_JTI_LEN = 64  # the tokens.jti column
 
 

@@ -6,7 +6,8 @@ Its claims (PROTOCOL.md, "Tokens"): ``iss``, ``aud`` = ``cgstore``, ``sub``
 ``parent`` (jti) when attenuated; ``nbf`` is honoured when present.
 
 A signature alone never makes a token valid. ``verify`` requires: the header's
-``alg`` EdDSA and a ``kid`` naming a key of the ring that is not retired; the
+``alg`` EdDSA, ``typ`` ``JWT`` (a publish receipt, signed by the same ring,
+never passes for a token) and a ``kid`` naming a key of the ring that is not retired; the
 signature; ``aud`` and ``iss`` exactly; ``exp``, ``iat`` and ``nbf`` against the
 clock; a record for the ``jti`` whose digest of the claims equals the digest
 of the presented claims (so a recorded jti re-signed with other claims by any
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jwt
+from cgstore_client.receipts import RECEIPT_TYP
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
@@ -44,6 +46,7 @@ from cgstore.settings import Settings
 from cgstore.tokens.claims import (
     ALGORITHM,
     AUDIENCE,
+    TOKEN_TYP,
     Claims,
     check_sub,
     check_ttl,
@@ -208,7 +211,7 @@ class TokenService:
                 kid=kid,
             )
         )
-        token = jwt.encode(payload, signing_key, algorithm=ALGORITHM, headers={"kid": kid, "typ": "JWT"})
+        token = jwt.encode(payload, signing_key, algorithm=ALGORITHM, headers={"kid": kid, "typ": TOKEN_TYP})
         return MintedToken(token=token, jti=claims.jti, exp=exp, claims=claims)
 
     # -- verifying -----------------------------------------------------------------
@@ -249,6 +252,11 @@ class TokenService:
         kid = header.get("kid")
         if not isinstance(kid, str) or len(kid) != KID_LEN or not all(c in "0123456789abcdef" for c in kid):
             raise TokenInvalid(f"token signed by an unknown key (kid {_show(kid)})")
+        # The same keys sign publish receipts: only a cap-token's typ authenticates.
+        if header.get("typ") == RECEIPT_TYP:
+            raise TokenInvalid("a publish receipt is not a cap-token")
+        if header.get("typ") != TOKEN_TYP:
+            raise TokenInvalid(f"token type {_show(header.get('typ'))} not accepted ({TOKEN_TYP} only)")
         return kid
 
     def _decode(self, token: str, key) -> dict[str, Any]:
