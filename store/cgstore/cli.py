@@ -1,4 +1,4 @@
-"""The ``cgstore`` command: serve, migrate, tokens and the key ring, principals, uploads, the audit log.
+"""The ``cgstore`` command: serve, migrate, tokens and the key ring, principals, uploads, the audit log, scrub.
 
 The token, key and principal commands work on the database directly (an
 operator on the store's host); every change they make is audited with actor
@@ -18,7 +18,7 @@ import typer
 from cgstore.audit.cli import audit_command
 from cgstore.core.errors import StoreError
 from cgstore.core.private import UMASK, private_dir
-from cgstore.settings import Settings
+from cgstore.settings import MiB, Settings
 
 app = typer.Typer(help="cgstore: the registry for PyTorch compiled graphs.", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
@@ -206,6 +206,42 @@ def uploads_reap() -> None:
     from cgstore.blobs.service import reap_expired_sessions
 
     typer.echo(f"reaped {reap_expired_sessions(build_context(Settings()))} sessions")
+
+
+@app.command()
+def scrub(
+    repo: Annotated[str | None, typer.Option(help="Only the blobs linked into owner/repo.")] = None,
+    sample: Annotated[int | None, typer.Option(min=1, help="Check N blobs picked at random (the cursor stays).")] = None,
+    rate: Annotated[float | None, typer.Option(min=0.001, help="Read at most this many MiB/s.")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the last interrupted pass from its cursor.")] = False,
+) -> None:
+    """Re-hash stored blobs; name each missing or corrupt one and take its records out of resolve.
+
+    Exit status 1 when it found damage, 2 on an error (the store unreachable...).
+    """
+    from cgstore.app import build_context
+    from cgstore.operations.scrub import scrub as run_scrub
+
+    if sample is not None and resume:
+        raise typer.BadParameter("--sample checks a random set; it has no cursor to --resume")
+    try:
+        report = run_scrub(
+            build_context(Settings()), repo=repo, sample=sample, resume=resume,
+            rate_bytes_s=rate * MiB if rate else None,
+        )
+    except StoreError as err:
+        raise _fail(err) from None
+    for finding in report.damaged:
+        typer.echo(f"{finding.health} {finding.digest}  records_changed={finding.records_changed}")
+    for finding in report.healed:
+        typer.echo(f"healed {finding.digest}  records_changed={finding.records_changed}")
+    pass_state = "complete" if report.complete else ("sample" if sample is not None else "interrupted")
+    typer.echo(
+        f"scrub {report.scope}: {report.checked} blobs checked, {report.bytes_read} bytes read, "
+        f"{len(report.damaged)} damaged, {len(report.healed)} healed ({pass_state})"
+    )
+    if report.damaged:
+        raise typer.Exit(1)
 
 
 app.command("audit")(audit_command(parse_duration))

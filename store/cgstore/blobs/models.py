@@ -9,6 +9,11 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from cgstore.core.db import Base, UTCDateTime, utcnow
 
+#: ``blobs.health``: what the last check of the stored bytes found.
+BLOB_OK = "ok"
+BLOB_MISSING = "missing"
+BLOB_CORRUPT = "corrupt"
+
 
 class Blob(Base):
     """Bytes stored once globally, by digest. A row exists only after a verified write.
@@ -17,6 +22,8 @@ class Blob(Base):
       digest      ``blake3:<64 hex>`` of the bytes; the storage key derives from it.
       size        length in bytes.
       created_at  when the bytes were first verified and stored.
+      health      what the last check of the stored bytes found: ``ok``, ``missing`` or
+                  ``corrupt`` (set by the scrub, back to ``ok`` by a verified re-upload).
     """
 
     __tablename__ = "blobs"
@@ -24,6 +31,7 @@ class Blob(Base):
     digest: Mapped[str] = mapped_column(String(71), primary_key=True)
     size: Mapped[int] = mapped_column(BigInteger, nullable=False)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
+    health: Mapped[str] = mapped_column(String(16), nullable=False, default=BLOB_OK, server_default=BLOB_OK)
 
 
 class RepoBlob(Base):

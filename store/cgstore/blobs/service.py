@@ -28,7 +28,7 @@ from cgstore_client.keys import is_digest
 from sqlalchemy import delete, func, select, update
 
 from cgstore.audit.service import record
-from cgstore.blobs.models import Blob, RepoBlob, UploadSession
+from cgstore.blobs.models import BLOB_OK, Blob, RepoBlob, UploadSession
 from cgstore.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
 from cgstore.core.http import BodyConsumer
@@ -41,6 +41,7 @@ from cgstore.core.errors import (
     TooLarge,
 )
 from cgstore.core.faults import crash_point
+from cgstore.operations.health import set_blob_health
 from cgstore.repos.models import Repo
 from cgstore.repos.service import readable_repo, writable_repo
 from cgstore.storage import StagedUpload
@@ -93,7 +94,8 @@ def read(ctx: StoreContext, location: BlobLocation, start: int, end: int) -> Ite
 
 
 def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: list[str]) -> list[str]:
-    """Which of ``digests`` are not linked in this repo (needs write: it is a pre-upload check)."""
+    """Which of ``digests`` are not linked in this repo, or were found damaged (needs write: it is a
+    pre-upload check, and a damaged blob must be sent again)."""
     if len(digests) > MAX_MISSING_QUERY:
         raise TooLarge(f"at most {MAX_MISSING_QUERY} digests per query", limit=MAX_MISSING_QUERY)
     for digest in digests:
@@ -102,7 +104,9 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
         target = writable_repo(session, claims, owner, repo)
         linked = set(
             session.scalars(
-                select(RepoBlob.digest).where(RepoBlob.repo_id == target.id, RepoBlob.digest.in_(set(digests)))
+                select(RepoBlob.digest)
+                .join(Blob, Blob.digest == RepoBlob.digest)
+                .where(RepoBlob.repo_id == target.id, RepoBlob.digest.in_(set(digests)), Blob.health == BLOB_OK)
             )
         )
     return [d for d in dict.fromkeys(digests) if d not in linked]
@@ -123,7 +127,9 @@ def upload(
     _check_size_limit(ctx, declared_size)
     with ctx.db.session() as session:
         target = writable_repo(session, claims, owner, repo)
-        already_stored = session.get(Blob, digest) is not None
+        stored = session.get(Blob, digest)
+        # A blob the scrub found damaged is written again for real: that is how it heals.
+        already_stored = stored is not None and stored.health == BLOB_OK
     # The writer checks size (as soon as too many bytes arrive), the store's limit and the digest.
     if already_stored:
         writer = VerifyOnlyWriter(digest, declared_size, ctx.settings.max_blob_bytes)
@@ -134,7 +140,7 @@ def upload(
             writer.write(chunk)
         size = writer.commit()
     crash_point("upload.stored")
-    _link(ctx, claims, target, digest, size, action="blob.upload")
+    _link(ctx, claims, target, digest, size, action="blob.upload", wrote=not already_stored)
     return size
 
 
@@ -143,9 +149,14 @@ def _check_size_limit(ctx: StoreContext, size: int | None) -> None:
         raise TooLarge(f"blobs are at most {ctx.settings.max_blob_bytes} bytes", limit=ctx.settings.max_blob_bytes)
 
 
-def _link(ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: int, action: str, **detail) -> None:
+def _link(
+    ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: int, action: str, *, wrote: bool, **detail
+) -> None:
+    """Link the blob into ``target``; ``wrote``: its bytes were just stored verified, which heals a damaged blob."""
     with ctx.db.session() as session:
         insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=utcnow())
+        if wrote:
+            set_blob_health(session, digest, BLOB_OK, actor=claims.sub, jti=claims.jti, detail={"via": action})
         linked = insert_ignoring_conflicts(
             session, RepoBlob, repo_id=target.id, digest=digest, linked_by=claims.sub, created_at=utcnow()
         )
@@ -169,7 +180,7 @@ def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str,
     with ctx.db.session() as session:
         target = writable_repo(session, claims, owner, repo)
     location = locate(ctx, claims, source_owner, source_repo, digest)
-    _link(ctx, claims, target, digest, location.size, action="blob.mount", source=source)
+    _link(ctx, claims, target, digest, location.size, action="blob.mount", wrote=False, source=source)
     return location.size
 
 
@@ -277,7 +288,7 @@ def commit_session(
     _forget_session(ctx, found.id)
     with ctx.db.session() as session:
         target = session.get(Repo, found.repo_id)
-    _link(ctx, claims, target, digest, size, action="blob.upload", session=found.id)
+    _link(ctx, claims, target, digest, size, action="blob.upload", wrote=True, session=found.id)
     return size
 
 

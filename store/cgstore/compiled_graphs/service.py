@@ -47,7 +47,7 @@ from sqlalchemy.orm import Session
 
 from cgstore import access
 from cgstore.audit.service import record as audit
-from cgstore.blobs.models import Blob, RepoBlob
+from cgstore.blobs.models import BLOB_OK, Blob, RepoBlob
 from cgstore.compiled_graphs import admission
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
@@ -128,7 +128,8 @@ def _linked_sizes(session: Session, target: Repo | None, manifest: Manifest) -> 
             session.execute(
                 select(Blob.digest, Blob.size)
                 .join(RepoBlob, RepoBlob.digest == Blob.digest)
-                .where(RepoBlob.repo_id == target.id, Blob.digest.in_(list(wanted)))
+                # A blob the scrub found damaged counts as absent until it is uploaded again.
+                .where(RepoBlob.repo_id == target.id, Blob.digest.in_(list(wanted)), Blob.health == BLOB_OK)
             ).all()
         )
     missing = [d for d in wanted if d not in linked]
