@@ -8,6 +8,8 @@ Create Date: 2026-12-03
 ``missing`` or ``corrupt``; existing rows start ``ok`` (nothing has said
 otherwise). ``scrub_cursors`` keeps, per scope (``*`` or ``owner/repo``), the
 last digest a scrub finished, so ``cgstore scrub --resume`` continues there.
+``ix_compiled_graphs_unhealthy`` (partial) lists the records the scrub took
+out of resolve without scanning the table.
 Runs on PostgreSQL and SQLite (batch mode copies the table there).
 """
 
@@ -34,9 +36,13 @@ def upgrade() -> None:
         sa.Column("updated_at", UTCDateTime(), nullable=False),
         sa.PrimaryKeyConstraint("scope", name="pk_scrub_cursors"),
     )
+    unhealthy = sa.text("yanked_at IS NULL AND health <> 'ok'")
+    op.create_index("ix_compiled_graphs_unhealthy", "compiled_graphs", ["id"],
+                    sqlite_where=unhealthy, postgresql_where=unhealthy)
 
 
 def downgrade() -> None:
+    op.drop_index("ix_compiled_graphs_unhealthy", table_name="compiled_graphs")
     op.drop_table("scrub_cursors")
     with op.batch_alter_table("blobs") as batch:
         batch.drop_column("health")

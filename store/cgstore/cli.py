@@ -1,4 +1,4 @@
-"""The ``cgstore`` command: serve, migrate, tokens and the key ring, principals, uploads, the audit log, scrub.
+"""The ``cgstore`` command: serve, migrate, tokens and the key ring, principals, uploads, the audit log, scrub, admin views.
 
 The token, key and principal commands work on the database directly (an
 operator on the store's host); every change they make is audited with actor
@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from cgstore.admin.cli import COMMANDS as ADMIN_COMMANDS
 from cgstore.audit.cli import audit_command
 from cgstore.core.errors import StoreError
 from cgstore.core.private import UMASK, private_dir
@@ -245,6 +246,8 @@ def scrub(
 
 
 app.command("audit")(audit_command(parse_duration))
+for _name, _command in ADMIN_COMMANDS.items():
+    app.command(_name)(_command)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from sqlalchemy import select
@@ -22,7 +21,6 @@ from cgstore.cli import app
 from cgstore.compiled_graphs.models import CompiledGraph
 from cgstore.operations.ratelimit import TokenBucket
 from cgstore.operations.scrub import saved_cursor, scrub
-from cgstore.storage.hashing import blob_key, parse_digest
 from tests.compiled_graphs.support import (
     CONSTANTS_A,
     FAMILY,
@@ -35,6 +33,7 @@ from tests.compiled_graphs.support import (
 )
 from tests.support.live_store import unique_repo
 from tests.support.services import S3_ENV
+from tests.support.tamper import delete_object, flip_byte, put_raw
 
 MiB = 1 << 20
 
@@ -79,40 +78,6 @@ def world(store, pt2_archive, pt2_report) -> World:
         for pub in pubs:
             assert publish(client, "acme", name, pub).status_code == 201
     return World(store, f"acme/{name}", token, pubs)
-
-
-# -- behind the store's back -----------------------------------------------------------
-
-
-def _s3_client(store):
-    import boto3
-
-    storage = store.context.storage
-    return boto3.client("s3", endpoint_url=storage.client.meta.endpoint_url, region_name=S3_ENV["AWS_DEFAULT_REGION"],
-                        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
-                        aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"])
-
-
-def flip_byte(store, digest: str, data: bytes, at: int = -1) -> None:
-    damaged = bytearray(data)
-    damaged[at] ^= 0x01
-    _put_raw(store, digest, bytes(damaged))
-
-
-def _put_raw(store, digest: str, data: bytes) -> None:
-    storage = store.context.storage
-    if store.is_s3:
-        _s3_client(store).put_object(Bucket=storage.bucket, Key=storage.blob_key(digest), Body=data)
-    else:
-        Path(storage.root, blob_key(parse_digest(digest))).write_bytes(data)
-
-
-def delete_object(store, digest: str) -> None:
-    storage = store.context.storage
-    if store.is_s3:
-        _s3_client(store).delete_object(Bucket=storage.bucket, Key=storage.blob_key(digest))
-    else:
-        Path(storage.root, blob_key(parse_digest(digest))).unlink()
 
 
 def _cli_env(store) -> dict[str, str]:
@@ -193,7 +158,7 @@ def test_a_record_stays_out_while_any_of_its_blobs_is_damaged(world, pt2_archive
     assert world.health()[3:] == ["blob_missing", "blob_missing"]
 
     # The bytes come back behind the store's back: the next scrub finds them intact and heals.
-    _put_raw(store, component.digest, component.data)
+    put_raw(store, component.digest, component.data)
     report = scrub(store.context, repo=world.repo)
     assert report.damaged == [] and [(f.digest, f.records_changed) for f in report.healed] == [(component.digest, 2)]
     assert world.resolved() == [True] * 5
@@ -256,7 +221,7 @@ def test_an_interrupted_pass_resumes_at_its_cursor(world):
     assert saved_cursor(store.context, world.repo) is None  # the pass completed
     # Without --resume a pass starts from the beginning.
     assert scrub(store.context, repo=world.repo).checked == total
-    _put_raw(store, last, data)
+    put_raw(store, last, data)
     assert scrub(store.context, repo=world.repo).damaged == []
 
 
