@@ -256,3 +256,36 @@ def test_token_bucket_sleeps_exactly_the_debt():
 def test_unknown_repo_is_an_error_not_damage(store):
     result = run_cli(store, "--repo", f"acme/{unique_repo('nowhere')}")
     assert result.exit_code == 2 and "NAME_UNKNOWN" in result.output
+
+
+def test_a_damaged_blob_is_not_held_until_sent_again_through_a_session(world, pt2_archive, pt2_report):
+    """Publishing over a damaged blob is refused; a mount does not heal it; a resumable upload does."""
+    store = world.store
+    owner, name = world.repo.split("/")
+    damaged = world.component(0)
+    flip_byte(store, damaged.digest, damaged.data, at=0)
+    assert [f.digest for f in scrub(store.context, repo=world.repo).damaged] == [damaged.digest]
+    again = publication(pt2_archive, pt2_report, components={"consts": damaged.data},
+                        envelope={"shapes": [[16, 16]], "text_len": 77, "guidance": ["9.5"]})
+    with store.client(world.token) as client:
+        refused = client.put(again.path(owner, name), json=again.manifest)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "BLOB_UNKNOWN"
+        assert refused.json()["error"]["detail"]["missing"] == [damaged.digest]
+    # A mount into another repo links the blob but writes no bytes: still damaged.
+    other = unique_repo("scrub-mount")
+    both = store.mint("scrubbed-minter", f"acme/{other}:read,write", f"acme/{name}:read,write")
+    with store.client(both) as client:
+        mounted = client.post(f"/v1/repos/acme/{other}/blobs/{damaged.digest}:mount", params={"from": world.repo})
+        assert mounted.status_code == 201, mounted.text
+    assert world.health()[0] == "blob_corrupt"
+    # The exact bytes through a resumable session: rewritten, verified, healed.
+    with store.client(world.token) as client:
+        location = client.post(f"/v1/repos/{world.repo}/uploads").headers["location"]
+        assert client.put(location, params={"digest": damaged.digest}, content=damaged.data).status_code == 201
+        assert client.put(again.path(owner, name), json=again.manifest).status_code == 201
+    assert world.health() == ["ok", "ok", "ok"]
+    with store.context.db.session() as session:
+        healed = session.scalar(select(AuditEvent).where(AuditEvent.action == "blob.healed",
+                                                         AuditEvent.target == damaged.digest))
+    assert healed.actor == "scrubbed-minter" and healed.detail["was"] == "corrupt"
+    assert scrub(store.context, repo=world.repo).damaged == []

@@ -1,4 +1,4 @@
-"""HTTP endpoint of the admin views (PROTOCOL.md "Admin"): ``GET /v1/admin/stats`` for admins. Thin."""
+"""HTTP endpoint of the admin views (README "Operations"): ``GET /v1/admin/stats`` for admins. Thin."""
 
 from __future__ import annotations
 
