@@ -28,7 +28,7 @@ def set_blob_health(session: Session, digest: str, health: str, *, actor: str, j
 
     None, and no audit entry, when the blob already had that state (or has no row).
     """
-    blob = session.get(Blob, digest, with_for_update=True)
+    blob = session.get(Blob, digest, with_for_update=True, populate_existing=True)
     if blob is None or blob.health == health:
         return None
     previous, blob.health = blob.health, health
