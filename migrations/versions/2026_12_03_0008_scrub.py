@@ -1,7 +1,7 @@
 """Scrub: each blob's health, and where an interrupted scrub resumes.
 
 Revision ID: 0008_scrub
-Revises: 0005_records
+Revises: 0006_operations
 Create Date: 2026-12-03
 
 ``blobs.health`` is what the last scrub (or verified re-upload) found: ``ok``,
@@ -21,7 +21,7 @@ from alembic import op
 from cgstore.core.db import UTCDateTime
 
 revision = "0008_scrub"
-down_revision = "0005_records"
+down_revision = "0006_operations"
 branch_labels = None
 depends_on = None
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from sqlalchemy import event, select
+from sqlalchemy import event, select, update
 
 from cgstore.audit.models import AuditEvent
+from cgstore.compiled_graphs.models import CompiledGraph
 
 from cgstore_client.wire.records import MAX_RESOLVE_KEYS, Record, RecordPage, ResolveAnswer
 from tests.compiled_graphs.support import FAMILY, error_code, publication, publish
@@ -157,6 +158,17 @@ def test_yank_is_admin_only_audited_misses_and_the_key_can_be_minted_again(store
             select(AuditEvent.action).where(AuditEvent.target == f"acme/{name}:{pub.key}").order_by(AuditEvent.id)
         ).all()
     assert actions == ["compiled_graph.publish", "compiled_graph.yank", "compiled_graph.publish"]
+
+
+def test_an_unhealthy_record_misses_like_an_absent_one(store, published):
+    name, token, pub = published
+    with store.client(token) as client:
+        assert resolve(client, [pub.key]).json()["answers"][0]["status"] == "hit"
+    # The scrub (another feature) marks records whose bytes went missing: set the column it sets.
+    with store.context.db.session() as session:
+        session.execute(update(CompiledGraph).where(CompiledGraph.key == pub.key).values(health="blob_missing"))
+    with store.client(token) as client:
+        assert resolve(client, [pub.key]).json()["answers"][0] == {"key": pub.key, "status": "miss"}
 
 
 def test_too_many_keys_is_400(store, published):

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from cgstore.audit.models import AuditEvent
 from cgstore.cli import app
 from cgstore.compiled_graphs.models import CompiledGraph
+from cgstore.operations import leases
 from cgstore.operations.ratelimit import TokenBucket
 from cgstore.operations.scrub import saved_cursor, scrub
 from tests.compiled_graphs.support import (
@@ -289,3 +290,20 @@ def test_a_damaged_blob_is_not_held_until_sent_again_through_a_session(world, pt
                                                          AuditEvent.target == damaged.digest))
     assert healed.actor == "scrubbed-minter" and healed.detail["was"] == "corrupt"
     assert scrub(store.context, repo=world.repo).damaged == []
+
+
+def test_one_scrub_at_a_time_under_the_scrub_lease(world):
+    """Refused (exit 2) while another replica holds the lease; runs once it lapses, and lets it go after."""
+    store = world.store
+    busy = leases.acquire(store.context.db, leases.SCRUB, "busy-replica", ttl_s=600)
+    assert busy is not None
+    try:
+        refused = run_cli(store, "--repo", world.repo)
+        assert refused.exit_code == 2 and "holds the scrub lease" in refused.output
+    finally:
+        busy.release()
+    ran = run_cli(store, "--repo", world.repo)
+    assert ran.exit_code == 0, ran.output
+    # Released after the run: another replica takes it at once.
+    assert leases.acquire(store.context.db, leases.SCRUB, "next-replica", ttl_s=600) is not None
+    leases.release(store.context.db, "next-replica")

@@ -19,13 +19,16 @@ repo the caller can read.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import re
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 
 from cgstore_client.keys import is_digest
 from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
 
 from cgstore.audit.service import record
 from cgstore.blobs.models import BLOB_OK, Blob, RepoBlob, UploadSession
@@ -39,16 +42,20 @@ from cgstore.core.errors import (
     RangeInvalid,
     SizeInvalid,
     TooLarge,
+    Unavailable,
 )
 from cgstore.core.faults import crash_point
+from cgstore.core.names import split_repo_path
 from cgstore.operations.health import set_blob_health
-from cgstore.repos.models import Repo
-from cgstore.repos.service import readable_repo, writable_repo
+from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload
-from cgstore.storage.hashing import VerifyOnlyWriter
 from cgstore.tokens.claims import Claims
 
 MAX_MISSING_QUERY = 1024
+# What ``open_session`` hands out (a uuid4 as 32 lowercase hex). Anything else
+# cannot name a session, so it is refused before it reaches a query: bytes such
+# as NUL, which PostgreSQL refuses in text, must never get that far.
+SESSION_ID_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)  # used with fullmatch
 
 
 def validate_digest(digest: str) -> str:
@@ -75,7 +82,7 @@ def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str
         size = session.scalar(
             select(Blob.size)
             .join(RepoBlob, RepoBlob.digest == Blob.digest)
-            .where(RepoBlob.repo_id == found.id, Blob.digest == digest)
+            .where(RepoBlob.repo_id == found.id, Blob.digest == digest, Blob.collecting_since.is_(None))
         )
     if size is None:
         raise BlobUnknown("blob unknown to this repo", digest=digest)
@@ -102,11 +109,16 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
         validate_digest(digest)
     with ctx.db.session() as session:
         target = writable_repo(session, claims, owner, repo)
-        linked = set(
+        linked = set() if target is None else set(
             session.scalars(
                 select(RepoBlob.digest)
                 .join(Blob, Blob.digest == RepoBlob.digest)
-                .where(RepoBlob.repo_id == target.id, RepoBlob.digest.in_(set(digests)), Blob.health == BLOB_OK)
+                .where(
+                    RepoBlob.repo_id == target.id,
+                    RepoBlob.digest.in_(set(digests)),
+                    Blob.collecting_since.is_(None),
+                    Blob.health == BLOB_OK,
+                )
             )
         )
     return [d for d in dict.fromkeys(digests) if d not in linked]
@@ -124,15 +136,15 @@ def upload(
 ) -> BodyConsumer[int]:
     """Monolithic PUT: stream the body into storage verified, then link. Returns the size."""
     validate_digest(digest)
-    _check_size_limit(ctx, declared_size)
     with ctx.db.session() as session:
-        target = writable_repo(session, claims, owner, repo)
-        stored = session.get(Blob, digest)
+        writable_repo(session, claims, owner, repo)
+        stored = _stored(session, digest)
         # A blob the scrub found damaged is written again for real: that is how it heals.
         already_stored = stored is not None and stored.health == BLOB_OK
-    # The writer checks size (as soon as too many bytes arrive), the store's limit and the digest.
+    # The writer checks the store's limit (at once for a declared size), the size
+    # (as soon as too many bytes arrive) and the digest.
     if already_stored:
-        writer = VerifyOnlyWriter(digest, declared_size, ctx.settings.max_blob_bytes)
+        writer = ctx.storage.verify_only(digest, declared_size)
     else:
         writer = ctx.storage.writer(digest, declared_size)
     with writer:
@@ -140,21 +152,69 @@ def upload(
             writer.write(chunk)
         size = writer.commit()
     crash_point("upload.stored")
-    _link(ctx, claims, target, digest, size, action="blob.upload", wrote=not already_stored)
+    _link(ctx, claims, owner, repo, digest, size, action="blob.upload", wrote=not already_stored)
     return size
 
 
-def _check_size_limit(ctx: StoreContext, size: int | None) -> None:
-    if size is not None and size > ctx.settings.max_blob_bytes:
-        raise TooLarge(f"blobs are at most {ctx.settings.max_blob_bytes} bytes", limit=ctx.settings.max_blob_bytes)
+def _stored(session: Session, digest: str) -> Blob | None:
+    """The blob's row when its bytes are stored and not condemned; 503 while GC is deleting them."""
+    found = session.get(Blob, digest)
+    if found is not None and found.collecting_since is not None:
+        raise _being_collected(digest)
+    return found
+
+
+def _being_collected(digest: str) -> Unavailable:
+    return Unavailable("the blob is being garbage-collected: send it again shortly", digest=digest)
+
+
+def hold_blobs(session: Session, digests: Iterable[str]) -> set[str]:
+    """Mark ``digests`` linked now, in the caller's transaction; return those not stored.
+
+    This is the publish side of the race with garbage collection: the UPDATE
+    writes (and on PostgreSQL locks) each blob row, and GC condemns a row only
+    by a conditional UPDATE that re-reads ``linked_at``/``collecting_since`` of
+    that same row. Whichever commits first wins: either GC sees the fresh
+    ``linked_at`` and spares the blob, or the blob is already condemned and
+    the publish gets it back among the missing.
+    """
+    wanted = set(digests)
+    if not wanted:
+        return set()
+    session.execute(
+        update(Blob)
+        .where(Blob.digest.in_(wanted), Blob.collecting_since.is_(None))
+        .values(linked_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    held = set(
+        session.scalars(select(Blob.digest).where(Blob.digest.in_(wanted), Blob.collecting_since.is_(None)))
+    )
+    return wanted - held
+
+
+def _hold_or_store(session: Session, digest: str, size: int) -> None:
+    """Record verified bytes as stored, or mark the stored blob linked now (see ``hold_blobs``)."""
+    now = utcnow()
+    if insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=now, linked_at=now):
+        return
+    if hold_blobs(session, [digest]):
+        # Condemned since our check: GC may delete the very bytes just written.
+        raise _being_collected(digest)
 
 
 def _link(
-    ctx: StoreContext, claims: Claims, target: Repo, digest: str, size: int, action: str, *, wrote: bool, **detail
+    ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, size: int, action: str, *, wrote: bool,
+    **detail,
 ) -> None:
-    """Link the blob into ``target``; ``wrote``: its bytes were just stored verified, which heals a damaged blob."""
+    """Record a verified write: the blob, its link, the repo if this is its first write, the audit.
+
+    ``wrote``: the bytes were just stored (not only verified against stored ones), which heals a
+    blob the scrub found damaged, and the records binding it.
+    """
     with ctx.db.session() as session:
-        insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=utcnow())
+        target = ensure_repo(session, claims, owner, repo)
+        _hold_or_store(session, digest, size)
         if wrote:
             set_blob_health(session, digest, BLOB_OK, actor=claims.sub, jti=claims.jti, detail={"via": action})
         linked = insert_ignoring_conflicts(
@@ -176,11 +236,11 @@ def _link(
 def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, source: str) -> int:
     """Link a blob the caller can read in ``source`` into ``owner/repo`` without re-upload."""
     validate_digest(digest)
-    source_owner, _, source_repo = source.partition("/")
+    source_owner, source_repo = split_repo_path(source)
     with ctx.db.session() as session:
-        target = writable_repo(session, claims, owner, repo)
+        writable_repo(session, claims, owner, repo)
     location = locate(ctx, claims, source_owner, source_repo, digest)
-    _link(ctx, claims, target, digest, location.size, action="blob.mount", wrote=False, source=source)
+    _link(ctx, claims, owner, repo, digest, location.size, action="blob.mount", wrote=False, source=source)
     return location.size
 
 
@@ -191,32 +251,48 @@ def _expiry(ctx: StoreContext) -> dt.datetime:
 
 
 def open_session(ctx: StoreContext, claims: Claims, owner: str, repo: str) -> str:
+    """Open a resumable upload. It is the start of a write into the repo, whose row
+    the session references, so a repo with no blob yet comes into being here, in
+    the transaction that records the session, once its staging exists."""
     with ctx.db.session() as session:
-        target = writable_repo(session, claims, owner, repo)
-    session_id = uuid.uuid4().hex
+        writable_repo(session, claims, owner, repo)
+    session_id = uuid.uuid4().hex  # of the SESSION_ID_RE grammar
     staged = ctx.storage.stage_begin(session_id)
-    with ctx.db.session() as session:
-        session.add(
-            UploadSession(
-                id=session_id,
-                repo_id=target.id,
-                principal=claims.sub,
-                offset=0,
-                storage_state=staged.state,
-                created_at=utcnow(),
-                expires_at=_expiry(ctx),
+    try:
+        with ctx.db.session() as session:
+            target = ensure_repo(session, claims, owner, repo)
+            session.add(
+                UploadSession(
+                    id=session_id,
+                    repo_id=target.id,
+                    principal=claims.sub,
+                    offset=0,
+                    storage_state=staged.state,
+                    created_at=utcnow(),
+                    expires_at=_expiry(ctx),
+                )
             )
-        )
+    except BaseException:
+        # No row will ever name this staging. The original failure is the answer,
+        # even if storage cannot drop it now.
+        with contextlib.suppress(Unavailable):
+            ctx.storage.stage_abort(staged)
+        raise
     return session_id
 
 
 def _find_session(ctx: StoreContext, claims: Claims, owner: str, repo: str, session_id: str) -> UploadSession:
-    """The caller's own live session in this repo; anything else is ``BLOB_UPLOAD_UNKNOWN``."""
+    """The caller's own live session in this repo; anything else is ``BLOB_UPLOAD_UNKNOWN``.
+
+    An id outside the session-id grammar answers exactly like an unknown one.
+    """
     with ctx.db.session() as session:
         target = writable_repo(session, claims, owner, repo)
-        found = session.get(UploadSession, session_id) if len(session_id) <= 64 else None
-    if found is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():
-        raise BlobUploadUnknown("no such upload session", session=session_id[:64])
+        well_formed = SESSION_ID_RE.fullmatch(session_id) is not None
+        found = session.get(UploadSession, session_id) if well_formed else None
+    if found is None or target is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():
+        # ascii(): a refused id is echoed escaped (no NUL, no raw non-ASCII) and bounded.
+        raise BlobUploadUnknown("no such upload session", session=ascii(session_id)[1:-1][:64])
     return found
 
 
@@ -232,24 +308,30 @@ def append(
     session_id: str,
     content_range: tuple[int, int] | None,
 ) -> BodyConsumer[int]:
-    """Stage one chunk (the body); it must start at the committed offset. Returns the new offset."""
+    """Stage one chunk (the body); it must start at the committed offset. Returns the new offset.
+
+    A refused chunk leaves the staged bytes exactly at the committed offset: its
+    length is checked before the append finishes (refusing it aborts the
+    append, which cuts back what it wrote), and a chunk that loses the offset's
+    compare-and-set is discarded.
+    """
     found = _find_session(ctx, claims, owner, repo, session_id)
     if content_range is not None and content_range[0] != found.offset:
         raise RangeInvalid("chunk does not start at the committed offset", offset=found.offset)
     expected = None if content_range is None else content_range[1] - content_range[0]
-    limit = ctx.settings.max_blob_bytes
     received = 0
-    with ctx.storage.stage_writer(StagedUpload(found.id, found.offset, found.storage_state)) as writer:
+    before = StagedUpload(found.id, found.offset, found.storage_state)
+    # The store's size limit is storage's to apply: its stage writer refuses past it.
+    with ctx.storage.stage_writer(before) as writer:
         while (chunk := (yield)) is not None:
             received += len(chunk)
             if expected is not None and received > expected:
                 raise SizeInvalid("chunk longer than its Content-Range", expected=expected)
-            if found.offset + received > limit:
-                raise TooLarge(f"blobs are at most {limit} bytes", limit=limit)
             writer.write(chunk)
+        if expected is not None and received != expected:
+            # Raised inside the writer, so that it aborts: its bytes are cut back.
+            raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=received)
         staged = writer.finish()
-    if expected is not None and staged.offset - found.offset != expected:
-        raise SizeInvalid("chunk shorter than its Content-Range", expected=expected, received=staged.offset - found.offset)
     crash_point("session.staged")
     with ctx.db.session() as session:
         # Compare-and-set on the offset: of two racing chunks at one offset, one wins.
@@ -259,6 +341,8 @@ def append(
             .values(offset=staged.offset, storage_state=staged.state, expires_at=_expiry(ctx))
         ).rowcount
     if not moved:
+        # Only on a definite loss: after an error the update may have landed.
+        ctx.storage.stage_discard(before, staged)
         raise RangeInvalid("another chunk was committed at this offset", offset=found.offset)
     return staged.offset
 
@@ -277,6 +361,9 @@ def commit_session(
     if first is not None:
         yield from _append_from(first, append(ctx, claims, owner, repo, session_id, None))
     found = _find_session(ctx, claims, owner, repo, session_id)
+    with ctx.db.session() as session:
+        # 503 while GC deletes these bytes, before the commit consumes the session: the client retries it.
+        _stored(session, digest)
     staged = StagedUpload(found.id, found.offset, found.storage_state)
     try:
         size = ctx.storage.stage_commit(staged, digest)
@@ -286,9 +373,7 @@ def commit_session(
         raise
     crash_point("commit.stored")
     _forget_session(ctx, found.id)
-    with ctx.db.session() as session:
-        target = session.get(Repo, found.repo_id)
-    _link(ctx, claims, target, digest, size, action="blob.upload", wrote=True, session=found.id)
+    _link(ctx, claims, owner, repo, digest, size, action="blob.upload", wrote=True, session=found.id)
     return size
 
 
@@ -319,17 +404,41 @@ def _forget_session(ctx: StoreContext, session_id: str) -> None:
         session.execute(delete(UploadSession).where(UploadSession.id == session_id))
 
 
-def reap_expired_sessions(ctx: StoreContext, now: dt.datetime | None = None) -> int:
-    """Reclaim expired sessions' staged bytes and orphaned writes; returns how many were reaped."""
+def expired_session_ids(ctx: StoreContext, now: dt.datetime | None = None, limit: int = 1000) -> list[str]:
+    """Sessions past their expiry, oldest expiry first (what the reaper takes next)."""
+    with ctx.db.session() as session:
+        return list(
+            session.scalars(
+                select(UploadSession.id)
+                .where(UploadSession.expires_at <= (now or utcnow()))
+                .order_by(UploadSession.expires_at)
+                .limit(limit)
+            )
+        )
+
+
+def reap_expired_sessions(
+    ctx: StoreContext,
+    now: dt.datetime | None = None,
+    heartbeat: Callable[[], None] = lambda: None,
+    orphan_age_s: float | None = None,
+) -> int:
+    """Reclaim expired sessions' staged bytes and orphaned writes; returns how many were reaped.
+
+    ``heartbeat`` runs between sessions: the periodic task renews its lease there.
+    Orphaned writes count as such after ``orphan_age_s`` (default: the session TTL).
+    """
     now = now or utcnow()
     with ctx.db.session() as session:
         expired = list(session.scalars(select(UploadSession).where(UploadSession.expires_at <= now).limit(1000)))
     for found in expired:
+        heartbeat()
         ctx.storage.stage_abort(StagedUpload(found.id, found.offset, found.storage_state))
         _forget_session(ctx, found.id)
     # Writes of a process that died mid-upload have no session row; a write idle
     # for as long as a session may be is abandoned too.
-    orphans = ctx.storage.sweep_orphans(older_than_s=ctx.settings.upload_session_ttl_s)
+    age_s = ctx.settings.upload_session_ttl_s if orphan_age_s is None else orphan_age_s
+    orphans = ctx.storage.sweep_orphans(older_than_s=age_s)
     return len(expired) + orphans
 
 

@@ -19,6 +19,7 @@ miss identically for an absent, yanked, unhealthy or unreadable key.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -42,12 +43,13 @@ from cgstore_client.wire.records import (
     ToolchainAxis,
     Yank,
 )
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, delete, exists, or_, select, update
 from sqlalchemy.orm import Session
 
 from cgstore import access
 from cgstore.audit.service import record as audit
 from cgstore.blobs.models import BLOB_OK, Blob, RepoBlob
+from cgstore.blobs.service import hold_blobs
 from cgstore.compiled_graphs import admission
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
@@ -60,17 +62,17 @@ from cgstore.core.errors import (
     NameUnknown,
     SizeInvalid,
     StoreError,
+    Unavailable,
     hidden_miss,
 )
 from cgstore.core.names import ROOT_OWNER, validate_owner, validate_repo
+from cgstore.core.private import private_dir
 from cgstore.repos.models import Repo
 from cgstore.repos.service import find_repo, readable_repo, write_decision
 from cgstore.tokens.claims import Claims
 
 ACTION_PUBLISH = "compiled_graph.publish"
 ACTION_YANK = "compiled_graph.yank"
-#: Distinct family labels one process gives the resolve metric; later families count as ``_other``.
-MAX_FAMILY_LABELS = 100
 
 #: A blob of a repo: ``(owner, repo, digest)``.
 BlobRef = tuple[str, str, str]
@@ -109,7 +111,9 @@ def _publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str,
         target = find_repo(session, owner, repo)
         sizes = _linked_sizes(session, target, manifest)
     report = admission.inspect_stored(
-        ctx.storage.read(manifest.artifact.digest), sizes[manifest.artifact.digest]
+        ctx.storage.read(manifest.artifact.digest),
+        sizes[manifest.artifact.digest],
+        spool_dir=str(private_dir(ctx.settings.spool_dir)),
     )
     admission.check_archive(report, manifest)
     headers = _component_headers(ctx, manifest)
@@ -129,7 +133,8 @@ def _linked_sizes(session: Session, target: Repo | None, manifest: Manifest) -> 
                 select(Blob.digest, Blob.size)
                 .join(RepoBlob, RepoBlob.digest == Blob.digest)
                 # A blob the scrub found damaged counts as absent until it is uploaded again.
-                .where(RepoBlob.repo_id == target.id, Blob.digest.in_(list(wanted)), Blob.health == BLOB_OK)
+                .where(RepoBlob.repo_id == target.id, Blob.digest.in_(list(wanted)),
+                       Blob.collecting_since.is_(None), Blob.health == BLOB_OK)
             ).all()
         )
     missing = [d for d in wanted if d not in linked]
@@ -190,9 +195,24 @@ def _component_tuples(components: Iterable[ComponentRef]) -> list[tuple[str, str
     return [(c.name, c.digest, c.size) for c in components]
 
 
+#: Insert attempts when the record that blocked an insert is yanked before it can be read.
+_INSERT_ATTEMPTS = 3
+
+
 def _insert_if_absent(
     ctx: StoreContext, claims: Claims, target: Repo, row: CompiledGraph, manifest: Manifest
 ) -> Published:
+    for _ in range(_INSERT_ATTEMPTS):
+        published = _try_insert(ctx, claims, target, row, manifest)
+        if published is not None:
+            return published
+    raise Unavailable("the key's live record kept changing during this publish; retry")
+
+
+def _try_insert(
+    ctx: StoreContext, claims: Claims, target: Repo, row: CompiledGraph, manifest: Manifest
+) -> Published | None:
+    """Insert, or compare with the live record that blocked the insert; None if that record vanished (yanked)."""
     target_name = f"{target.owner}/{target.name}:{row.key}"
     values = {c.key: getattr(row, c.key) for c in CompiledGraph.__table__.columns if c.key != "id"}
     with ctx.db.session() as session:
@@ -201,6 +221,11 @@ def _insert_if_absent(
         record_id = session.execute(_insert_ignoring_live_conflict(session).values(**values).returning(
             CompiledGraph.id)).scalar()
         if record_id is not None:
+            # In this transaction, so that GC either sees the record's blobs linked now or
+            # had condemned them first: then the publish is refused and the insert rolled back.
+            condemned = hold_blobs(session, [row.artifact_digest, *(c.digest for c in manifest.components)])
+            if condemned:
+                raise BlobReferenceUnknown("the manifest names blobs being garbage-collected", missing=sorted(condemned))
             session.add_all(
                 CompiledGraphComponent(record_id=record_id, name=c.name, digest=c.digest, size=c.size)
                 for c in manifest.components
@@ -209,6 +234,8 @@ def _insert_if_absent(
                   detail={"result": "created", "artifact": row.artifact_digest, "component_set": row.component_set})
             return Published(_publish_answer(target, row, "created"), created=True)
         live = _live_record(session, target.id, row.key)
+        if live is None:
+            return None
         same = live.artifact_digest == row.artifact_digest and live.component_set == row.component_set
         detail = {"live": {"artifact": live.artifact_digest, "component_set": live.component_set},
                   "offered": {"artifact": row.artifact_digest, "component_set": row.component_set}}
@@ -474,15 +501,41 @@ def _answer(key: str, row, components: dict[int, list], urls: dict[BlobRef, str]
     }
 
 
-_family_labels: set[str] = set()
-
-
 def _count(ctx: StoreContext, family: str, answers: list[dict[str, Any]]) -> None:
-    if family not in _family_labels and len(_family_labels) < MAX_FAMILY_LABELS:
-        _family_labels.add(family)
-    label = family if family in _family_labels else "_other"
     hits = sum(1 for answer in answers if answer["status"] == "hit")
-    if hits:
-        ctx.metrics.resolve_answers.labels(label, "hit").inc(hits)
-    if len(answers) - hits:
-        ctx.metrics.resolve_answers.labels(label, "miss").inc(len(answers) - hits)
+    ctx.metrics.count_resolve(family, hits, len(answers) - hits)
+
+
+# -- garbage collection's view of records -----------------------------------------------------
+
+
+def blob_kept_by_records(cutoff: dt.datetime) -> ColumnElement[bool]:
+    """GC keeper (``operations.gc.KEEPERS``): a live record, or one yanked since ``cutoff``, names the blob."""
+    counts = or_(CompiledGraph.yanked_at.is_(None), CompiledGraph.yanked_at >= cutoff)
+    as_artifact = exists().where(CompiledGraph.artifact_digest == Blob.digest, counts)
+    as_component = exists().where(
+        CompiledGraphComponent.digest == Blob.digest, CompiledGraphComponent.record_id == CompiledGraph.id, counts
+    )
+    return or_(as_artifact, as_component)
+
+
+def forget_yanked_records(session: Session, digests: list[str]) -> int:
+    """Before GC deletes blob rows: the long-yanked records naming them go too; returns how many.
+
+    Only yanked records can name a condemned blob (a live one keeps it), and the
+    audit log keeps their history. A live record here would make the blob
+    delete fail on its foreign key, loudly, rather than lose a record's bytes.
+    """
+    named = select(CompiledGraphComponent.record_id).where(CompiledGraphComponent.digest.in_(digests))
+    ids = list(
+        session.scalars(
+            select(CompiledGraph.id).where(
+                CompiledGraph.yanked_at.is_not(None),
+                or_(CompiledGraph.artifact_digest.in_(digests), CompiledGraph.id.in_(named)),
+            )
+        )
+    )
+    if ids:
+        session.execute(delete(CompiledGraphComponent).where(CompiledGraphComponent.record_id.in_(ids)))
+        session.execute(delete(CompiledGraph).where(CompiledGraph.id.in_(ids)))
+    return len(ids)

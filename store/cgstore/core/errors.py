@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from cgstore_client import errors as client_errors
+
 
 class StoreError(Exception):
     """Base of every error the store answers with. Subclasses fix code and status."""
@@ -184,13 +186,25 @@ _CLIENT_CODES: dict[str, type[StoreError]] = {
 }
 
 
-def from_client_error(err: Exception, **detail: Any) -> StoreError:
-    """The store error for a refusal of the client package's contract code, by its ``code``.
+#: The contract layer's value errors, which carry no protocol code of their own.
+_CLIENT_CLASSES: dict[type[Exception], type[StoreError]] = {
+    client_errors.KeyInvalid: KeyInvalid,
+    client_errors.EnvelopeError: EnvelopeInvalid,
+    client_errors.MetadataError: MetadataInvalid,
+    client_errors.DigestInvalid: DigestInvalid,
+}
 
-    Anything without a known code is an invalid artifact: a refusal of the
-    contract layer is always the input's fault, never a 500.
+
+def from_client_error(err: Exception, **detail: Any) -> StoreError:
+    """The store error for a refusal of the client package's contract code.
+
+    Archive and component refusals carry their protocol ``code``; the contract
+    layer's value errors are mapped by class. Anything else is a bad request: a
+    refusal of the contract layer is the input's fault, never a 500.
     """
-    err_type = _CLIENT_CODES.get(getattr(err, "code", ""), ArtifactInvalid)
+    err_type = _CLIENT_CODES.get(getattr(err, "code", ""))
+    if err_type is None:
+        err_type = next((store for cls, store in _CLIENT_CLASSES.items() if isinstance(err, cls)), BadRequest)
     return err_type(str(err), reason=type(err).__name__, **detail)
 
 

@@ -1,4 +1,5 @@
-"""Prometheus metrics: requests, bytes, upload sessions, publish outcomes, resolve hits and misses.
+"""Prometheus metrics: requests, bytes, upload sessions, publish outcomes, resolve hits and misses,
+background tasks and GC.
 
 Collected by a pure ASGI middleware (it never buffers a streamed body) into a
 registry owned by the app, so several apps in one process don't collide.
@@ -10,6 +11,10 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+#: Distinct family labels of the resolve metric (bounded cardinality).
+MAX_FAMILY_LABELS = 100
 
 
 class Metrics:
@@ -32,6 +37,18 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.background_rounds = Counter(
+            "cgstore_background_rounds_total",
+            "Rounds of background tasks: ran here, skipped (another replica holds the lease), failed.",
+            ["task", "outcome"],
+            registry=self.registry,
+        )
+        self.gc_blobs_deleted = Counter(
+            "cgstore_gc_blobs_deleted_total", "Blobs garbage collection deleted.", registry=self.registry
+        )
+        self.gc_bytes_deleted = Counter(
+            "cgstore_gc_bytes_deleted_total", "Bytes of the blobs garbage collection deleted.", registry=self.registry
+        )
         self.publishes = Counter(
             "cgstore_publish_total",
             "Compiled-graph publishes by outcome (created, exists, conflict, refused) and protocol code.",
@@ -42,6 +59,18 @@ class Metrics:
             "cgstore_resolve_answers_total", "Resolve answers per family: hit or miss.", ["family", "status"],
             registry=self.registry,
         )
+        self._families: set[str] = set()
+
+    def count_resolve(self, family: str, hits: int, misses: int) -> None:
+        """Hits and misses of one resolve. Families are caller-chosen strings: the first
+        ``MAX_FAMILY_LABELS`` get labels of their own, later ones count as ``_other``."""
+        if family not in self._families and len(self._families) < MAX_FAMILY_LABELS:
+            self._families.add(family)
+        label = family if family in self._families else "_other"
+        if hits:
+            self.resolve_answers.labels(label, "hit").inc(hits)
+        if misses:
+            self.resolve_answers.labels(label, "miss").inc(misses)
 
     def watch_upload_sessions(self, count: Callable[[], int]) -> None:
         """Read the open-session count from the database at scrape time (any process may change it)."""

@@ -123,7 +123,8 @@ def _repo_id(session: Session, repo: str | None) -> int | None:
 
 
 def _scope_query(repo_id: int | None):
-    query = select(Blob.digest, Blob.size)
+    # A blob garbage collection condemned may be gone by design: not damage.
+    query = select(Blob.digest, Blob.size).where(Blob.collecting_since.is_(None))
     if repo_id is not None:
         query = query.join(RepoBlob, RepoBlob.digest == Blob.digest).where(RepoBlob.repo_id == repo_id)
     return query

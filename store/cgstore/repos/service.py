@@ -3,8 +3,10 @@
 The access rules are ``cgstore.access``'s; this module gathers the facts they
 need (the owner's holder, the caller's platform registration) and enforces the
 answer. Reads of a repo the caller may not read look exactly like reads of a
-repo that does not exist (the same miss either way). Writes create the repo
-(visibility ``owner``) on the first write, audited as ``repo.create``.
+repo that does not exist (the same miss either way). Checking a write creates
+nothing: a repo comes into being only with a successful write (``ensure_repo``,
+called in the transaction that records that write, audited as
+``repo.create``), so a refused or failed call leaves no repo behind.
 """
 
 from __future__ import annotations
@@ -76,9 +78,18 @@ def preflight(db: Database, claims: Claims, owner: str, name: str, min_ttl_s: in
     access.preflight(claims, write, now=now, min_ttl_s=min_ttl_s).enforce()
 
 
-def writable_repo(session: Session, claims: Claims, owner: str, name: str) -> Repo:
-    """The repo ``claims`` may write, created (visibility ``owner``) on the first write."""
+def writable_repo(session: Session, claims: Claims, owner: str, name: str) -> Repo | None:
+    """The repo ``claims`` may write, or None while it does not exist yet (nothing is created)."""
     write_decision(session, claims, owner, name).enforce()
+    return find_repo(session, owner, name)
+
+
+def ensure_repo(session: Session, claims: Claims, owner: str, name: str) -> Repo:
+    """The repo, created (visibility ``owner``) if absent: only for a write that succeeded.
+
+    The caller has already passed ``writable_repo``; it calls this in the same
+    transaction that records the write, so the repo and the write land together.
+    """
     return _find_or_create(session, claims, owner, name, "owner")[0]
 
 

@@ -1,8 +1,10 @@
 """Object storage for blob bytes: a local directory or any S3-compatible store.
 
-``open_storage(settings)`` picks the backend from ``CGSTORE_STORAGE_URL``. Both
-backends implement ``Storage`` (base.py): verified streaming writes, ranged
-reads, optional presigned URLs, and staged bytes for resumable upload sessions.
+``open_storage(settings)`` picks the driver from ``CGSTORE_STORAGE_URL``. Both
+drivers are plain object stores (``ObjectStore`` in base.py: stream to a key
+and publish it, read a range, stat, list with a cursor, delete, presign) plus
+staged bytes for resumable upload sessions; ``Storage`` builds verified
+streaming blob writes on them once (``writer.py``), for every driver.
 """
 
 from cgstore.storage.base import BlobWriter, Storage, StagedUpload

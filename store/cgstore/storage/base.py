@@ -1,9 +1,20 @@
-"""The storage interface both backends implement.
+"""The storage interface: thin drivers below, verified blobs above, once.
+
+A driver (``fs.py``, ``s3.py``) implements ``ObjectStore``: a plain object
+store of keys (``blobs/<hex[:2]>/<hex>``, ``uploads/…``) that can stream bytes
+to a key and publish them atomically (``open_write`` → ``PendingObject``),
+read a range, stat, list by prefix with a cursor, delete and presign. It knows
+nothing of digests. ``Storage`` builds the blob operations on those primitives
+for every driver alike: digests parsed into keys, and each write verified by
+``writer.VerifiedWriter`` (streaming blake3, the declared size, the store's
+size limit) and published only on a match. Staged uploads (resumable
+sessions) stay per driver, since their layout is what makes each one cheap,
+but their size limit is applied here, once.
 
 Contract, shared by both backends:
-- A blob lives under a key derived from its digest. It becomes visible (``size``
-  answers, ``read`` works) only after a write whose blake3 digest and size both
-  matched what the caller expected; a mismatch or an abort leaves nothing.
+- A blob becomes visible (``size`` answers, ``read`` works) only after a write
+  whose blake3 digest and size both matched what the caller expected; a
+  mismatch or an abort leaves nothing.
 - Writes stream: bytes are hashed while they flow to storage, and memory stays
   bounded by a few parts whatever the blob size.
 - Two identical concurrent writes both succeed and leave one object.
@@ -19,59 +30,39 @@ import abc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from cgstore.core.errors import BlobUnknown
+from cgstore.storage.hashing import StreamVerifier, blob_key, check_range, parse_digest
+from cgstore.storage.writer import (
+    BlobWriter,
+    LimitedStageWriter,
+    PendingObject,
+    StageWriter,
+    VerifiedWriter,
+    VerifyOnlyWriter,
+)
 
-class BlobWriter(abc.ABC):
-    """One verified write of one blob whose digest is known up front."""
-
-    @abc.abstractmethod
-    def write(self, chunk: bytes) -> None:
-        """Hash and store the next bytes. May block while earlier parts drain."""
-
-    @abc.abstractmethod
-    def commit(self) -> int:
-        """Verify digest and size, make the blob visible, return its size.
-
-        On a mismatch, everything written is discarded before the error is raised.
-        """
-
-    @abc.abstractmethod
-    def abort(self) -> None:
-        """Discard everything written. Safe to call more than once, or after commit fails."""
-
-    def __enter__(self) -> BlobWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.abort()
+__all__ = [
+    "BlobWriter",
+    "ObjectInfo",
+    "ObjectMissing",
+    "ObjectStore",
+    "PendingObject",
+    "StageWriter",
+    "StagedUpload",
+    "Storage",
+]
 
 
-class StageWriter(abc.ABC):
-    """One append to an upload session's staging, fed chunk by chunk.
+class ObjectMissing(LookupError):
+    """A driver found no object at the key (the blob layer turns it into ``BlobUnknown``)."""
 
-    Push-style, like ``BlobWriter``, so the HTTP layer can read a slow body on
-    the event loop and hand each batch to ``write`` in a short worker-thread
-    call: no thread waits on a client.
-    """
 
-    @abc.abstractmethod
-    def write(self, chunk: bytes) -> None:
-        """Stage the next bytes."""
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its key (relative to the driver's root) and size."""
 
-    @abc.abstractmethod
-    def finish(self) -> StagedUpload:
-        """Make the staged bytes durable and return the state that names them."""
-
-    @abc.abstractmethod
-    def abort(self) -> None:
-        """Discard this append's bytes (the state before it stays valid). Idempotent."""
-
-    def __enter__(self) -> StageWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.abort()
+    key: str
+    size: int
 
 
 @dataclass
@@ -87,49 +78,103 @@ class StagedUpload:
     state: dict = field(default_factory=dict)
 
 
-class Storage(abc.ABC):
-    """Blob bytes by digest, plus staged bytes of upload sessions."""
+class ObjectStore(abc.ABC):
+    """The driver primitives: a plain object store. Keys are relative (``blobs/…``)."""
 
-    #: True when ``presigned_url`` can answer (S3); the fs backend streams itself.
+    #: True when ``presign_key`` can answer (S3); the fs backend streams itself.
     supports_presign: bool = False
 
-    # -- blobs -------------------------------------------------------------
     @abc.abstractmethod
+    def open_write(self, key: str, size_hint: int | None = None) -> PendingObject:
+        """Start streaming bytes to ``key``; nothing is visible there until ``publish``."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> int | None:
+        """The object's size, or None when absent."""
+
+    @abc.abstractmethod
+    def read_range(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        """Stream bytes ``[start, end)`` of the object; ``ObjectMissing`` (raised before
+        returning, so a caller can still answer 404) when absent."""
+
+    @abc.abstractmethod
+    def list_keys(self, prefix: str, cursor: str | None = None, limit: int = 1000) -> tuple[list[ObjectInfo], str | None]:
+        """Up to ``limit`` objects whose key starts with ``prefix``, after ``cursor`` (the
+        last key of the previous page, None to start), and the cursor of the next page
+        (None once the listing is complete). Order is the driver's own, stable one."""
+
+    @abc.abstractmethod
+    def delete_key(self, key: str) -> None:
+        """Remove the object. Absent is not an error."""
+
+    def presign_key(self, key: str, ttl_s: int) -> str | None:
+        """A short-lived URL to GET the object directly from storage, if supported."""
+        return None
+
+
+class Storage(ObjectStore):
+    """Blob bytes by digest, verified once for every driver, plus staged upload sessions."""
+
+    #: The store's size limit (``CGSTORE_MAX_BLOB_BYTES``); None: unlimited. Applied
+    #: here and nowhere else below the service.
+    max_blob_bytes: int | None = None
+
+    # -- blobs (built on the primitives, the same for every driver) -------------
     def writer(self, digest: str, size: int | None = None) -> BlobWriter:
         """Start a verified write of the blob ``digest`` (and ``size`` if known)."""
+        verifier = StreamVerifier(digest, size, self.max_blob_bytes)
+        return VerifiedWriter(verifier, self.open_write(blob_key(verifier.hex), size))
 
-    @abc.abstractmethod
+    def verify_only(self, digest: str, size: int | None = None) -> BlobWriter:
+        """A writer that verifies a re-sent stream of a blob already stored, writing nothing."""
+        return VerifyOnlyWriter(digest, size, self.max_blob_bytes)
+
     def size(self, digest: str) -> int | None:
         """The stored blob's size, or None when absent."""
+        return self.stat(blob_key(parse_digest(digest)))
 
-    @abc.abstractmethod
     def read(self, digest: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         """Stream bytes ``[start, end)`` (``end`` None: to the end). Absent: ``BlobUnknown``."""
+        key = blob_key(parse_digest(digest))
+        check_range(start, end)
+        try:
+            return self.read_range(key, start, end)
+        except ObjectMissing:
+            raise BlobUnknown("blob unknown", digest=digest) from None
 
     def presigned_url(self, digest: str, ttl_s: int) -> str | None:
         """A short-lived URL to GET the blob directly from storage, if supported."""
-        return None
+        return self.presign_key(blob_key(parse_digest(digest)), ttl_s)
 
     def presigned_urls(self, digests: list[str], ttl_s: int) -> dict[str, str]:
         """``presigned_url`` for many blobs at once (a resolve answer needs hundreds)."""
         urls = {digest: self.presigned_url(digest, ttl_s) for digest in digests}
         return {digest: url for digest, url in urls.items() if url is not None}
 
-    @abc.abstractmethod
     def delete(self, digest: str) -> None:
         """Remove a blob (garbage collection). Absent is not an error."""
+        self.delete_key(blob_key(parse_digest(digest)))
+
+    def delete_many(self, digests: list[str]) -> None:
+        """Remove several blobs (garbage collection batches). Absent ones are not an error."""
+        for digest in digests:
+            self.delete(digest)
 
     # -- staged uploads (resumable sessions) -------------------------------
     @abc.abstractmethod
     def stage_begin(self, session_id: str) -> StagedUpload:
         """Prepare empty staging for a new upload session."""
 
-    @abc.abstractmethod
     def stage_writer(self, staged: StagedUpload) -> StageWriter:
         """Start appending a chunk at ``staged.offset``; ``finish`` returns the new state.
 
-        If the stream fails midway, the persisted state must still describe
-        only fully staged chunks (the client retries from there).
+        The store's size limit is applied here, once for every driver
+        (``writer.LimitedStageWriter``).
+
+        If the stream fails midway (the client went away, the chunk passed the
+        size limit, or the caller aborts the writer because the chunk broke its
+        declared length), nothing of this append stays staged: ``abort`` cuts
+        back or discards the bytes it wrote.
 
         Only the returned state names staged bytes. Callers record it by
         compare-and-set on the offset *after* ``finish``, so two appends from
@@ -137,6 +182,11 @@ class Storage(abc.ABC):
         state names, and bytes named by no recorded state (a lost race, a
         crashed process) are reclaimed by ``stage_commit`` / ``stage_abort``.
         """
+        return LimitedStageWriter(self._stage_writer(staged), staged.offset, self.max_blob_bytes)
+
+    @abc.abstractmethod
+    def _stage_writer(self, staged: StagedUpload) -> StageWriter:
+        """The driver's append at ``staged.offset`` (the limit is applied around it)."""
 
     def stage_append(self, staged: StagedUpload, chunks: Iterator[bytes]) -> StagedUpload:
         """Append a chunk given as an iterator (``stage_writer`` for callers that pull)."""
@@ -144,6 +194,16 @@ class Storage(abc.ABC):
             for chunk in chunks:
                 writer.write(chunk)
             return writer.finish()
+
+    @abc.abstractmethod
+    def stage_discard(self, before: StagedUpload, after: StagedUpload) -> None:
+        """Reclaim the bytes of an append that will never be recorded.
+
+        ``after`` is what the append from ``before`` finished with, and the caller's
+        compare-and-set refused it (another chunk won the offset). Bytes any other
+        state may name are left alone; what cannot be reclaimed now is dead and
+        goes with ``stage_commit`` / ``stage_abort``.
+        """
 
     @abc.abstractmethod
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:

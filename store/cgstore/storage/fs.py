@@ -1,17 +1,19 @@
-"""The local-directory backend: the embedded default, one machine, no services.
+"""The local-directory driver: the embedded default, one machine, no services.
 
-Layout under the root (the same keys as the S3 backend)::
+A plain object store over a directory tree (``ObjectStore`` in base.py: keys
+are relative paths); verifying blobs is done above it, once for every driver
+(``writer.py``). Layout under the root (the same keys as the S3 driver)::
 
-    blobs/<hex[:2]>/<hex>   committed blobs, immutable
-    tmp/<hex>.<rand>.part   one file per in-flight verified write
-    uploads/<session_id>    the staged bytes of one resumable upload session
+    blobs/<hex[:2]>/<hex>    committed blobs, immutable
+    tmp/<name>.<rand>.part   one file per in-flight write (``open_write``)
+    uploads/<session_id>     the staged bytes of one resumable upload session
 
 Durability and atomicity come from the filesystem: a write goes to its own
-temp file, is verified (size, then blake3), fsynced, then ``os.replace``d onto
-its final name and the directory is fsynced. ``os.replace`` is atomic, so a
-reader sees either no blob or the whole blob, and two identical concurrent
-writes both succeed and leave one file. A mismatch deletes the temp file, so
-nothing is ever visible under ``blobs/`` that was not verified.
+temp file; publishing it fsyncs it, ``os.replace``s it onto its final name and
+fsyncs the directory. ``os.replace`` is atomic, so a reader sees either no
+object or the whole object, and two identical concurrent writes both succeed
+and leave one file. A discarded write deletes its temp file, so nothing the
+verifier above refused is ever visible.
 
 Staged uploads append to one file per session. The caller records a new
 offset with a compare-and-set *after* an append finishes, so two racing
@@ -23,7 +25,11 @@ append goes to the current end of the file, under an exclusive ``flock``
 the session state lists the live ``[file_position, length]`` extents. Bytes no
 extent names (a loser's, a crashed append's) are dead. An append ends with an
 fsync before it returns (the recorded offset must never run ahead of durable
-bytes); one that fails midway truncates the file back to where it started.
+bytes); one that fails midway (its stream raised: a client gone, a chunk
+shorter or longer than its Content-Range) truncates the file back to where it
+started, and ``stage_discard`` cuts a race loser's bytes when they are the
+file's tail, so the file stays at the committed offset but for a loser whose
+bytes a winner's follow (reclaimed at commit).
 
 ``stage_commit`` hashes the live extents (streaming). In the usual case they
 are contiguous from byte 0: the dead tail is cut and the file is renamed into
@@ -49,25 +55,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from cgstore.core.errors import (
-    BlobUnknown,
-    BlobUploadUnknown,
-    DigestInvalid,
-    RangeInvalid,
-    SizeInvalid,
-    TooLarge,
-    Unavailable,
-)
+from cgstore.core.errors import BlobUploadUnknown, DigestInvalid, RangeInvalid, SizeInvalid, Unavailable
 from cgstore.core.private import DIR_MODE, FILE_MODE, private_dir
-from cgstore.storage.base import BlobWriter, StagedUpload, StageWriter, Storage
-from cgstore.storage.hashing import (
-    READ_CHUNK_BYTES,
-    StreamVerifier,
-    blob_key,
-    check_range,
-    check_session_id,
-    parse_digest,
-)
+from cgstore.storage.base import ObjectInfo, ObjectMissing, StagedUpload, StageWriter, Storage
+from cgstore.storage.hashing import READ_CHUNK_BYTES, StreamVerifier, blob_key, check_session_id, parse_digest
+from cgstore.storage.writer import PendingObject
 
 
 def root_from_url(url: str) -> Path:
@@ -113,7 +105,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 class FileStorage(Storage):
-    """Blobs and staged uploads in a directory tree (see the module docstring)."""
+    """Objects and staged uploads in a directory tree (see the module docstring)."""
 
     supports_presign = False
 
@@ -138,48 +130,65 @@ class FileStorage(Storage):
     def _upload_path(self, session_id: str) -> Path:
         return self.uploads_dir / check_session_id(session_id)
 
-    def _place(self, source: Path, hex_digest: str) -> None:
-        """Atomically move a verified, fsynced file onto its blob name, durably."""
-        final = self._blob_path(hex_digest)
+    def _key_path(self, key: str) -> Path:
+        # Keys come from this package (blob_key, staging names), never from a client;
+        # still, none may leave the root.
+        if Path(key).is_absolute() or ".." in Path(key).parts:
+            raise ValueError(f"key {key!r} leaves the storage root")
+        return self.root / key
+
+    def _place(self, source: Path, key: str) -> None:
+        """Atomically move an fsynced file onto ``key``, durably."""
+        final = self._key_path(key)
         try:
-            final.parent.mkdir(mode=DIR_MODE)
-            _fsync_dir(self.blobs_dir)  # the new shard directory's own entry
+            final.parent.mkdir(mode=DIR_MODE, parents=True)
+            _fsync_dir(final.parent.parent)  # the new directory's own entry
         except FileExistsError:
             pass
         os.replace(source, final)
         _fsync_dir(final.parent)
         _fsync_dir(source.parent)  # the temp name's removal
 
-    # -- blobs -----------------------------------------------------------------
-    def writer(self, digest: str, size: int | None = None) -> BlobWriter:
-        verifier = StreamVerifier(digest, size, self.max_blob_bytes)
-        return FileBlobWriter(self, verifier)
+    # -- object primitives --------------------------------------------------------
+    def open_write(self, key: str, size_hint: int | None = None) -> PendingObject:
+        return FilePendingObject(self, key)
 
-    def size(self, digest: str) -> int | None:
-        path = self._blob_path(parse_digest(digest))
+    def stat(self, key: str) -> int | None:
         try:
-            return path.stat().st_size
+            return self._key_path(key).stat().st_size
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise Unavailable("storage failed: size", operation="size", cause=_os_cause(exc)) from exc
+            raise Unavailable("storage failed: stat", operation="stat", cause=_os_cause(exc)) from exc
 
-    def read(self, digest: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
-        # Open now, not on first iteration: an absent blob must raise before the
+    def read_range(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        # Open now, not on first iteration: an absent object must raise before the
         # caller commits to a response.
-        path = self._blob_path(parse_digest(digest))
-        check_range(start, end)
         try:
-            file = open(path, "rb")  # noqa: SIM115 - closed by the generator
+            file = open(self._key_path(key), "rb")  # noqa: SIM115 - closed by the generator
         except FileNotFoundError:
-            raise BlobUnknown("blob unknown", digest=digest) from None
+            raise ObjectMissing(key) from None
         except OSError as exc:
             raise Unavailable("storage failed: read", operation="read", cause=_os_cause(exc)) from exc
         return _stream_file(file, start, end)
 
-    def delete(self, digest: str) -> None:
+    def list_keys(self, prefix: str, cursor: str | None = None, limit: int = 1000) -> tuple[list[ObjectInfo], str | None]:
+        """Keys in path-component order (a sorted walk), so a cursor resumes without a full listing."""
+        after = tuple(cursor.split("/")) if cursor else ()
+        found: list[ObjectInfo] = []
+        with _os_errors("list"):
+            for key in _walk_sorted(self.root, (), prefix, after):
+                size = self.stat(key)
+                if size is None:  # deleted while we walked
+                    continue
+                found.append(ObjectInfo(key, size))
+                if len(found) == limit:
+                    return found, key
+        return found, None
+
+    def delete_key(self, key: str) -> None:
         with _os_errors("delete"):
-            self._blob_path(parse_digest(digest)).unlink(missing_ok=True)
+            self._key_path(key).unlink(missing_ok=True)
 
     # -- staged uploads ----------------------------------------------------------
     def stage_begin(self, session_id: str) -> StagedUpload:
@@ -193,8 +202,21 @@ class FileStorage(Storage):
             _fsync_dir(self.uploads_dir)
         return StagedUpload(session_id=session_id, offset=0, state={"extents": []})
 
-    def stage_writer(self, staged: StagedUpload) -> StageWriter:
+    def _stage_writer(self, staged: StagedUpload) -> StageWriter:
         return FileStageWriter(self, staged)
+
+    def stage_discard(self, before: StagedUpload, after: StagedUpload) -> None:
+        new = _extents(after)[len(_extents(before)) :]
+        if not new:
+            return
+        [[position, length]] = new  # one append adds one extent
+        # Gone (committed, aborted) or busy (an append after ours: ours is not the tail).
+        with contextlib.suppress(BlobUploadUnknown, RangeInvalid), self._locked_staging(after.session_id) as fd:
+            with _os_errors("stage_discard"):
+                # Only a tail can go: bytes after it are another append's, which
+                # its own state names by file position.
+                if os.fstat(fd).st_size == position + length:
+                    os.ftruncate(fd, position)
 
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         # A malformed digest is refused before anything is dropped: it is a bad
@@ -226,7 +248,7 @@ class FileStorage(Storage):
         with _os_errors("stage_commit"):
             os.ftruncate(fd, staged.offset)  # drop a dead tail, if any
             os.fsync(fd)
-            self._place(path, verifier.hex)
+            self._place(path, blob_key(verifier.hex))
 
     def _commit_by_copy(self, fd: int, staged: StagedUpload, extents: list, digest: str) -> None:
         """Dead bytes sit between live extents: copy the live ones through a verified write."""
@@ -346,48 +368,58 @@ def _stream_file(file, start: int, end: int | None) -> Iterator[bytes]:
             raise Unavailable("storage failed: read", operation="read", cause=_os_cause(exc)) from exc
 
 
-class FileBlobWriter(BlobWriter):
-    """One verified write: a private temp file, renamed into place on a match."""
+def _walk_sorted(directory: Path, parts: tuple[str, ...], prefix: str, after: tuple[str, ...]) -> Iterator[str]:
+    """Keys of the files under ``directory`` that start with ``prefix`` and come after
+    ``after``, in path-component order; subtrees that cannot match are never entered."""
+    try:
+        entries = sorted(os.scandir(directory), key=lambda entry: entry.name)
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        here = (*parts, entry.name)
+        key = "/".join(here)
+        if entry.is_dir(follow_symlinks=False):
+            # Enter only what the prefix allows and what does not lie wholly before the cursor.
+            if not (key + "/").startswith(prefix) and not prefix.startswith(key + "/"):
+                continue
+            if here < after[: len(here)]:
+                continue
+            yield from _walk_sorted(Path(entry.path), here, prefix, after)
+        elif key.startswith(prefix) and here > after:
+            yield key
 
-    def __init__(self, storage: FileStorage, verifier: StreamVerifier) -> None:
+
+class FilePendingObject(PendingObject):
+    """One write: a private temp file, renamed onto its key when published."""
+
+    def __init__(self, storage: FileStorage, key: str) -> None:
         self._storage = storage
-        self._verifier = verifier
-        self._temp_path = storage.tmp_dir / f"{verifier.hex}.{uuid.uuid4().hex}.part"
+        self._key = key
+        self._temp_path = storage.tmp_dir / f"{Path(key).name}.{uuid.uuid4().hex}.part"
         with _os_errors("write"):
             self._fd: int | None = os.open(self._temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
 
     def write(self, chunk: bytes) -> None:
         if self._fd is None:
-            raise RuntimeError("write after commit or abort")
-        try:
-            self._verifier.update(chunk)
-            with _os_errors("write"):
-                _write_all(self._fd, chunk)
-        except BaseException:
-            self.abort()
-            raise
+            raise RuntimeError("write after publish or discard")
+        with _os_errors("write"):
+            _write_all(self._fd, chunk)
 
-    def commit(self) -> int:
+    def publish(self) -> None:
         if self._fd is None:
-            raise RuntimeError("commit after commit or abort")
-        try:
-            self._verifier.verify()
-            with _os_errors("commit"):
-                os.fsync(self._fd)
-                os.close(self._fd)
-                self._fd = None
-                self._storage._place(self._temp_path, self._verifier.hex)
-        except BaseException:
-            self.abort()
-            raise
-        return self._verifier.size
+            raise RuntimeError("publish after publish or discard")
+        with _os_errors("commit"):
+            os.fsync(self._fd)  # on disk before the rename makes it visible
+            os.close(self._fd)
+            self._fd = None
+            self._storage._place(self._temp_path, self._key)
 
-    def abort(self) -> None:
+    def discard(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
-        # After a successful commit the temp name is gone; missing_ok covers it.
+        # After a publish the temp name is gone; missing_ok covers it.
         with contextlib.suppress(OSError):
             self._temp_path.unlink(missing_ok=True)
 
@@ -420,9 +452,6 @@ class FileStageWriter(StageWriter):
         if self._fd is None:
             raise RuntimeError("write after finish or abort")
         try:
-            limit = self._storage.max_blob_bytes
-            if limit is not None and self._staged.offset + self._written + len(chunk) > limit:
-                raise TooLarge("blob exceeds the store's size limit", limit=limit)
             with _os_errors("stage_append"):
                 _write_all(self._fd, chunk)
             self._written += len(chunk)

@@ -15,7 +15,6 @@ import re
 import blake3
 
 from cgstore.core.errors import BlobUploadUnknown, DigestInvalid, SizeInvalid, TooLarge
-from cgstore.storage.base import BlobWriter
 
 DIGEST_PREFIX = "blake3:"
 _DIGEST_RE = re.compile(r"blake3:([0-9a-f]{64})")  # used with fullmatch: no trailing newline
@@ -101,24 +100,3 @@ class StreamVerifier:
             raise DigestInvalid(
                 "content does not match the digest", expected=self.digest, actual=DIGEST_PREFIX + actual
             )
-
-
-class VerifyOnlyWriter(BlobWriter):
-    """A writer for a blob that is already stored: verifies the stream, writes nothing.
-
-    Knowing a digest grants nothing, so a repo that re-sends existing bytes must
-    still send all of them, and they are checked exactly like a real write.
-    """
-
-    def __init__(self, digest: str, size: int | None = None, max_bytes: int | None = None) -> None:
-        self._verifier = StreamVerifier(digest, size, max_bytes)
-
-    def write(self, chunk: bytes) -> None:
-        self._verifier.update(chunk)
-
-    def commit(self) -> int:
-        self._verifier.verify()
-        return self._verifier.size
-
-    def abort(self) -> None:
-        """Nothing was written, so there is nothing to discard."""

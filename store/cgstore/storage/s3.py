@@ -1,21 +1,23 @@
-"""The S3 backend: any S3-compatible store (AWS S3, MinIO, Ceph, moto) via boto3.
+"""The S3 driver: any S3-compatible store (AWS S3, MinIO, Ceph, moto) via boto3.
 
-URL: ``s3://bucket[/prefix]?endpoint_url=…&region=…``. Keys under the optional
-prefix are the same as the fs backend's: ``blobs/<hex[:2]>/<hex>`` for blobs,
-``uploads/<session_id>/…`` for staged uploads.
+URL: ``s3://bucket[/prefix]?endpoint_url=…&region=…``. A plain object store
+(``ObjectStore`` in base.py); verifying blobs is done above it, once for every
+driver (``writer.py``). Keys under the optional prefix are the same as the fs
+driver's: ``blobs/<hex[:2]>/<hex>`` for blobs, ``uploads/<session_id>/…`` for
+staged uploads.
 
-Verified streaming writes
--------------------------
-A write goes straight to its final key. Bytes are hashed (blake3) as they
-arrive and gathered into parts of ``part_bytes``; full parts are uploaded as a
-multipart upload by a small per-write thread pool, at most ``max_concurrency``
-parts in flight (a semaphore makes ``write`` block while they drain). A
-multipart upload is invisible until it is completed, and ``commit`` completes
-it only after size and digest matched; otherwise it aborts it, so nothing ever
-appears under ``blobs/`` unverified. A stream that fits one part never starts a
-multipart upload: its chunks are kept as they came, verified, and sent with a
-single ``put_object``. When the size is known up front, the part size grows if
-needed to stay within S3's 10 000-part limit.
+Streaming writes
+----------------
+``open_write`` goes straight to the final key. Bytes are gathered into parts
+of ``part_bytes``; full parts are uploaded as a multipart upload by a small
+per-write thread pool, at most ``max_concurrency`` parts in flight (a
+semaphore makes ``write`` block while they drain). A multipart upload is
+invisible until it is completed: ``publish`` completes it (the verifier above
+calls it only after size and digest matched) and ``discard`` aborts it, so
+nothing ever appears under ``blobs/`` unverified. A stream that fits one part
+never starts a multipart upload: its chunks are kept as they came and sent
+with a single ``put_object`` on ``publish``. When the size is known up front,
+the part size grows if needed to stay within S3's 10 000-part limit.
 
 Part buffers
 ------------
@@ -43,7 +45,9 @@ streaming upload, so a huge chunk is itself a multipart upload and a small one
 a single PUT); the session state records ``[offset, length, name]`` of every
 chunk. The random part matters: the caller records a new offset by
 compare-and-set after ``stage_append`` returns, so two racing appends at one
-offset must not overwrite each other's object. ``stage_commit`` streams the
+offset must not overwrite each other's object; the loser's is deleted
+(``stage_discard``), and a chunk refused mid-stream (shorter or longer than its
+Content-Range) never becomes an object at all. ``stage_commit`` streams the
 recorded chunk objects in order through a verifying ``writer()`` onto the
 final key, then deletes everything under the session's prefix (unrecorded
 chunks of lost races or crashed appends included).
@@ -128,25 +132,20 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from cgstore.core.errors import (
-    BlobUnknown,
-    BlobUploadUnknown,
-    DigestInvalid,
-    SizeInvalid,
-    TooLarge,
-    Unavailable,
-)
+from cgstore.core.errors import BlobUploadUnknown, DigestInvalid, SizeInvalid, TooLarge, Unavailable
 from cgstore.settings import parse_s3_url
-from cgstore.storage.base import BlobWriter, StagedUpload, StageWriter, Storage
 from cgstore.storage import hashing
-from cgstore.storage.hashing import READ_CHUNK_BYTES, StreamVerifier, check_range, check_session_id
+from cgstore.storage.base import ObjectInfo, ObjectMissing, StagedUpload, StageWriter, Storage
+from cgstore.storage.hashing import READ_CHUNK_BYTES, check_session_id
 from cgstore.storage.presign import presign_many
+from cgstore.storage.writer import PendingObject
 
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 MIN_PART_BYTES = 5 * MiB  # S3's floor for every part but the last
 MAX_PARTS = 10_000  # S3's ceiling on parts per multipart upload
+DELETE_BATCH_KEYS = 1000  # S3's ceiling on keys per DeleteObjects request
 # Assembling a multi-GiB object can take minutes (moto: 7-11 s per GiB); a
 # complete cut short by the read timeout would be retried after it succeeded.
 COMPLETE_READ_TIMEOUT_S = 300.0
@@ -246,7 +245,7 @@ def _client_config(*, endpoint_url, max_concurrency, connect_timeout_s, read_tim
 
 
 class S3Storage(Storage):
-    """Blobs and staged uploads in one bucket, under an optional key prefix."""
+    """Objects and staged uploads in one bucket, under an optional key prefix."""
 
     supports_presign = True
 
@@ -343,43 +342,50 @@ class S3Storage(Storage):
         needed = math.ceil(math.ceil(size / MAX_PARTS) / MiB) * MiB
         return max(self.part_bytes, needed)
 
-    # -- blobs -----------------------------------------------------------------------
-    def writer(self, digest: str, size: int | None = None) -> BlobWriter:
-        verifier = StreamVerifier(digest, size, self.max_blob_bytes)
-        upload = _StreamingUpload(self, self.key(hashing.blob_key(verifier.hex)), self._part_bytes_for(size))
-        return S3BlobWriter(verifier, upload)
+    # -- object primitives ---------------------------------------------------------------
+    def open_write(self, key: str, size_hint: int | None = None) -> PendingObject:
+        return _StreamingUpload(self, self.key(key), self._part_bytes_for(size_hint))
 
-    def size(self, digest: str) -> int | None:
-        return self._object_size(self.blob_key(digest))
+    def stat(self, key: str) -> int | None:
+        return self._object_size(self.key(key))
 
-    def read(self, digest: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
-        key = self.blob_key(digest)
-        check_range(start, end)
+    def read_range(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         if end is not None and end == start:  # S3 has no empty Range; still answer "absent"
-            if self.size(digest) is None:
-                raise BlobUnknown("blob unknown", digest=digest)
+            if self.stat(key) is None:
+                raise ObjectMissing(key)
             return iter(())
-        request = {"Bucket": self.bucket, "Key": key}
+        request = {"Bucket": self.bucket, "Key": self.key(key)}
         if start > 0 or end is not None:
             request["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        # The GET is issued now, not on first iteration: an absent blob must
+        # The GET is issued now, not on first iteration: an absent object must
         # raise before the caller commits to a response.
         with _s3_errors("read"):
             try:
                 response = self.client.get_object(**request)
             except ClientError as exc:
                 if _is_missing(exc):
-                    raise BlobUnknown("blob unknown", digest=digest) from None
+                    raise ObjectMissing(key) from None
                 if _error_code(exc)[0] == "InvalidRange":  # start at or past the end
                     return iter(())
                 raise
         return _stream_body(response["Body"])
 
-    def presigned_url(self, digest: str, ttl_s: int) -> str | None:
-        key = self.blob_key(digest)
+    def list_keys(self, prefix: str, cursor: str | None = None, limit: int = 1000) -> tuple[list[ObjectInfo], str | None]:
+        """Keys in S3's own (UTF-8 byte) order; the cursor is the last key, passed as ``StartAfter``."""
+        request = {"Bucket": self.bucket, "Prefix": self.key(prefix), "MaxKeys": min(limit, 1000)}
+        if cursor:
+            request["StartAfter"] = self.key(cursor)
+        with _s3_errors("list_objects"):
+            response = self.client.list_objects_v2(**request)
+        found = [
+            ObjectInfo(item["Key"].removeprefix(self.prefix), item["Size"]) for item in response.get("Contents", [])
+        ]
+        return found, (found[-1].key if found and response.get("IsTruncated") else None)
+
+    def presign_key(self, key: str, ttl_s: int) -> str | None:
         with _s3_errors("presign"):  # signing is local; only missing credentials can fail
             return self.presign_client.generate_presigned_url(
-                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=ttl_s
+                "get_object", Params={"Bucket": self.bucket, "Key": self.key(key)}, ExpiresIn=ttl_s
             )
 
     def presigned_urls(self, digests: list[str], ttl_s: int) -> dict[str, str]:
@@ -390,18 +396,37 @@ class S3Storage(Storage):
             )
         return dict(zip(unique, urls))
 
-    def delete(self, digest: str) -> None:
-        key = self.blob_key(digest)
+    def delete_key(self, key: str) -> None:
         with _s3_errors("delete"):
-            self.client.delete_object(Bucket=self.bucket, Key=key)
+            self.client.delete_object(Bucket=self.bucket, Key=self.key(key))
+
+    def delete_many(self, digests: list[str]) -> None:
+        # One request per 1000 keys (delete_objects' limit); S3 reports no error
+        # for a key that is already gone, which is what a retried batch needs.
+        for start in range(0, len(digests), DELETE_BATCH_KEYS):
+            keys = [{"Key": self.blob_key(d)} for d in digests[start : start + DELETE_BATCH_KEYS]]
+            with _s3_errors("delete_objects"):
+                response = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+            if response.get("Errors"):
+                raise Unavailable("could not delete blobs", errors=response["Errors"][:5])
 
     # -- staged uploads -------------------------------------------------------------------
     def stage_begin(self, session_id: str) -> StagedUpload:
         check_session_id(session_id)
         return StagedUpload(session_id=session_id, offset=0, state={"chunks": []})
 
-    def stage_writer(self, staged: StagedUpload) -> StageWriter:
+    def _stage_writer(self, staged: StagedUpload) -> StageWriter:
         return S3StageWriter(self, staged)
+
+    def stage_discard(self, before: StagedUpload, after: StagedUpload) -> None:
+        chunks = after.state.get("chunks", [])
+        if len(chunks) <= len(before.state.get("chunks", [])):
+            return
+        name = chunks[-1][2]  # the one this append added; its random name is no other's
+        with _s3_errors("stage_discard"):
+            self.client.delete_object(
+                Bucket=self.bucket, Key=self._staging_prefix(after.session_id) + check_session_id(name)
+            )
 
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         # writer() refuses a malformed digest before anything is dropped: that is
@@ -747,7 +772,7 @@ class _ViewsReader:
         return b"".join(pieces)
 
 
-class _StreamingUpload:
+class _StreamingUpload(PendingObject):
     """Bytes streamed to one key: a single PUT if they fit one part, else a
     multipart upload with at most ``max_concurrency`` parts in flight.
 
@@ -755,7 +780,7 @@ class _StreamingUpload:
     that may still fit one PUT never takes a pool buffer, so small blobs do not
     compete with big ones for them); once the stream outgrows one part, parts
     are filled into buffers from the storage's pool. Nothing is visible at the
-    key until ``finish``; ``abort`` discards it all.
+    key until ``publish``; ``discard`` drops it all.
     """
 
     def __init__(self, storage: S3Storage, key: str, part_bytes: int) -> None:
@@ -791,8 +816,8 @@ class _StreamingUpload:
             self._gather(piece if immutable else memoryview(piece.tobytes()))
             view = view[len(piece) :]
 
-    def finish(self) -> None:
-        """Make the bytes visible at the key (the caller has verified them)."""
+    def publish(self) -> None:
+        """Make the bytes visible at the key (the verifier above has checked them)."""
         if self._chunks is not None:  # never outgrew one part: no multipart upload
             self._storage._put(self._key, _ViewsReader(self._chunks))
             self._chunks = []
@@ -804,7 +829,7 @@ class _StreamingUpload:
         self._upload_id = None  # completed: nothing left to abort
         self._shutdown_pool()
 
-    def abort(self) -> None:
+    def discard(self) -> None:
         """Discard everything: gathered bytes, parts in flight, the multipart upload. Idempotent."""
         self._chunks = []
         self._shutdown_pool()  # parts in flight give their buffers back as they end
@@ -877,42 +902,6 @@ class _StreamingUpload:
         self._parts = []
 
 
-class S3BlobWriter(BlobWriter):
-    """One verified write: hash on the way in, complete (or PUT) only on a match."""
-
-    def __init__(self, verifier: StreamVerifier, upload: _StreamingUpload) -> None:
-        self._verifier = verifier
-        self._upload = upload
-        self._state = "open"
-
-    def write(self, chunk: bytes) -> None:
-        if self._state != "open":
-            raise RuntimeError(f"write on a {self._state} writer")
-        try:
-            self._verifier.update(chunk)
-            self._upload.write(chunk)
-        except BaseException:
-            self.abort()
-            raise
-
-    def commit(self) -> int:
-        if self._state != "open":
-            raise RuntimeError(f"commit on a {self._state} writer")
-        try:
-            self._verifier.verify()
-            self._upload.finish()
-        except BaseException:
-            self.abort()
-            raise
-        self._state = "committed"
-        return self._verifier.size
-
-    def abort(self) -> None:
-        if self._state == "open":
-            self._state = "aborted"
-            self._upload.abort()
-
-
 class S3StageWriter(StageWriter):
     """One append: one new object under the session's staging prefix.
 
@@ -935,9 +924,6 @@ class S3StageWriter(StageWriter):
         if self._state != "open":
             raise RuntimeError(f"write on a {self._state} stage writer")
         try:
-            limit = self._storage.max_blob_bytes
-            if limit is not None and self._staged.offset + self._written + len(chunk) > limit:
-                raise TooLarge("blob exceeds the store's size limit", limit=limit)
             self._upload.write(chunk)
             self._written += len(chunk)
         except BaseException:
@@ -952,7 +938,7 @@ class S3StageWriter(StageWriter):
             self.abort()
             return StagedUpload(staged.session_id, staged.offset, dict(staged.state))
         try:
-            self._upload.finish()
+            self._upload.publish()
         except BaseException:
             self.abort()
             raise
@@ -963,4 +949,4 @@ class S3StageWriter(StageWriter):
     def abort(self) -> None:
         if self._state == "open":
             self._state = "aborted"
-            self._upload.abort()
+            self._upload.discard()
