@@ -298,7 +298,7 @@ def scrub(
         typer.echo(f"{finding.health} {finding.digest}  records_changed={finding.records_changed}")
     for finding in report.healed:
         typer.echo(f"healed {finding.digest}  records_changed={finding.records_changed}")
-    pass_state = "complete" if report.complete else ("sample" if sample is not None else "interrupted")
+    pass_state = "complete" if report.complete else "sample"  # an interrupted pass raised above
     typer.echo(
         f"scrub {report.scope}: {report.checked} blobs checked, {report.bytes_read} bytes read, "
         f"{len(report.damaged)} damaged, {len(report.healed)} healed ({pass_state})"
