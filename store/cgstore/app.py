@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from cgstore import __version__
+from cgstore.admin.router import router as admin_router
 from cgstore.audit.denials import DenialLog, audit_denial
 from cgstore.audit.router import router as audit_router
 from cgstore.blobs import service as blobs_service
@@ -104,7 +105,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Each router carries its prefix: with FastAPI 0.165 a prefix given here would
     # leave route.path relative, and metrics and the audit label requests by it.
     for router in (health_router, tokens_router, owners_router, repos_router, blobs_router, audit_router,
-                   compiled_graphs_router, compiled_graphs_resolve_router):
+                   compiled_graphs_router, compiled_graphs_resolve_router, admin_router):
         app.include_router(router)
     install_request_schemas(app)
     return app

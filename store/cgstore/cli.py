@@ -1,4 +1,5 @@
-"""The ``cgstore`` command: serve, migrate, tokens and the key ring, principals, uploads, GC, the audit log.
+"""The ``cgstore`` command: serve, migrate, tokens and the key ring, principals, uploads, GC, scrub, the audit log,
+the admin views.
 
 The token, key and principal commands work on the database directly (an
 operator on the store's host); every change they make is audited with actor
@@ -15,10 +16,11 @@ from typing import Annotated
 
 import typer
 
+from cgstore.admin.cli import COMMANDS as ADMIN_COMMANDS
 from cgstore.audit.cli import audit_command
 from cgstore.core.errors import StoreError
 from cgstore.core.private import UMASK, private_dir
-from cgstore.settings import Settings
+from cgstore.settings import MiB, Settings
 
 app = typer.Typer(help="cgstore: the registry for PyTorch compiled graphs.", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
@@ -265,7 +267,57 @@ def gc_command(
     typer.echo(json.dumps(report.summary()))
 
 
+@app.command()
+def scrub(
+    repo: Annotated[str | None, typer.Option(help="Only the blobs linked into owner/repo.")] = None,
+    sample: Annotated[int | None, typer.Option(min=1, help="Check N blobs picked at random (the cursor stays).")] = None,
+    rate: Annotated[float | None, typer.Option(min=0.001, help="Read at most this many MiB/s.")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the last interrupted pass from its cursor.")] = False,
+) -> None:
+    """Re-hash stored blobs; name each missing or corrupt one and take its records out of resolve.
+
+    Exit status 1 when it found damage, 2 on an error (the store unreachable, another
+    instance scrubbing: one scrub at a time runs, under the ``scrub`` lease).
+    """
+    from cgstore.app import build_context
+    from cgstore.operations import leases
+    from cgstore.operations.scrub import scrub as run_scrub
+
+    if sample is not None and resume:
+        raise typer.BadParameter("--sample checks a random set; it has no cursor to --resume")
+    ctx = build_context(Settings())
+    lease = leases.acquire(ctx.db, leases.SCRUB, ctx.instance, ctx.settings.lease_ttl_s)
+    if lease is None:
+        typer.echo("another instance is scrubbing now (it holds the scrub lease)", err=True)
+        raise typer.Exit(2)
+    try:
+        report = run_scrub(
+            ctx, repo=repo, sample=sample, resume=resume, rate_bytes_s=rate * MiB if rate else None,
+            heartbeat=lease.renew,
+        )
+    except StoreError as err:
+        raise _fail(err) from None
+    except leases.LeaseLost:
+        typer.echo("the scrub lease was taken over; resume with --resume", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        lease.release()
+    for finding in report.damaged:
+        typer.echo(f"{finding.health} {finding.digest}  records_changed={finding.records_changed}")
+    for finding in report.healed:
+        typer.echo(f"healed {finding.digest}  records_changed={finding.records_changed}")
+    pass_state = "complete" if report.complete else "sample"  # an interrupted pass raised above
+    typer.echo(
+        f"scrub {report.scope}: {report.checked} blobs checked, {report.bytes_read} bytes read, "
+        f"{len(report.damaged)} damaged, {len(report.healed)} healed ({pass_state})"
+    )
+    if report.damaged:
+        raise typer.Exit(1)
+
+
 app.command("audit")(audit_command(parse_duration))
+for _name, _command in ADMIN_COMMANDS.items():
+    app.command(_name)(_command)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@ from cgstore.audit.models import AuditEvent
 from cgstore.blobs.models import Blob, RepoBlob, RepoBlobHolder, UploadSession
 from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
 from cgstore.core.db import Base
-from cgstore.operations.models import Lease
+from cgstore.operations.models import Lease, ScrubCursor
 from cgstore.owners.models import Owner, Principal
 from cgstore.repos.models import Repo
 from cgstore.tokens.models import SigningKey, TokenRecord
 
 __all__ = [
     "AuditEvent", "Base", "Blob", "CompiledGraph", "CompiledGraphComponent", "Lease", "Owner", "Principal", "Repo",
-    "RepoBlob", "RepoBlobHolder", "SigningKey", "TokenRecord",
+    "RepoBlob", "RepoBlobHolder", "ScrubCursor", "SigningKey", "TokenRecord",
     "UploadSession",
 ]

@@ -9,6 +9,11 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from cgstore.core.db import Base, UTCDateTime, utcnow
 
+#: ``blobs.health``: what the last check of the stored bytes found.
+BLOB_OK = "ok"
+BLOB_MISSING = "missing"
+BLOB_CORRUPT = "corrupt"
+
 
 class Blob(Base):
     """Bytes stored once globally, by digest. A row exists only after a verified write.
@@ -22,6 +27,8 @@ class Blob(Base):
                   collection's conditional mark of this very row sees it.
       collecting_since  set when garbage collection condemned it (its bytes may be
                   going or gone): readers treat it as absent and links refuse it.
+      health      what the last check of the stored bytes found: ``ok``, ``missing`` or
+                  ``corrupt`` (set by the scrub, back to ``ok`` by a verified re-upload).
     """
 
     __tablename__ = "blobs"
@@ -31,6 +38,7 @@ class Blob(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
     linked_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
     collecting_since: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    health: Mapped[str] = mapped_column(String(16), nullable=False, default=BLOB_OK, server_default=BLOB_OK)
 
 
 class RepoBlob(Base):

@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 
 from cgstore import access
 from cgstore.audit.service import record
-from cgstore.blobs.models import Blob, RepoBlob, RepoBlobHolder, UploadSession
+from cgstore.blobs.models import BLOB_OK, Blob, RepoBlob, RepoBlobHolder, UploadSession
 from cgstore.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
 from cgstore.core.http import BodyConsumer
@@ -51,6 +51,7 @@ from cgstore.core.errors import (
 )
 from cgstore.core.faults import crash_point
 from cgstore.core.names import split_repo_path
+from cgstore.operations.health import set_blob_health
 from cgstore.repos.models import Repo
 from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload
@@ -114,6 +115,11 @@ def visible_blobs(claims: Claims, target: Repo, digests: list[str]):
     ).where(RepoBlobHolder.principal == reader)
 
 
+def held_blobs(claims: Claims, target: Repo, digests: list[str]):
+    """``visible_blobs`` that are intact: a blob the scrub found damaged counts as absent until sent again."""
+    return visible_blobs(claims, target, digests).where(Blob.health == BLOB_OK)
+
+
 def download_url(ctx: StoreContext, location: BlobLocation) -> str | None:
     """A presigned storage URL to redirect to, when the backend and settings allow it."""
     if not (ctx.settings.redirect_downloads and ctx.storage.supports_presign):
@@ -126,7 +132,8 @@ def read(ctx: StoreContext, location: BlobLocation, start: int, end: int) -> Ite
 
 
 def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: list[str]) -> list[str]:
-    """Which of ``digests`` are not linked in this repo (needs write: it is a pre-upload check)."""
+    """Which of ``digests`` are not linked in this repo, or were found damaged (needs write: it is a
+    pre-upload check, and a damaged blob must be sent again)."""
     if len(digests) > MAX_MISSING_QUERY:
         raise TooLarge(f"at most {MAX_MISSING_QUERY} digests per query", limit=MAX_MISSING_QUERY)
     for digest in digests:
@@ -134,7 +141,7 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
     with ctx.db.session() as session:
         target = writable_repo(session, claims, owner, repo)
         linked = set() if target is None else {
-            row.digest for row in session.execute(visible_blobs(claims, target, list(set(digests))))
+            row.digest for row in session.execute(held_blobs(claims, target, list(set(digests))))
         }
     return [d for d in dict.fromkeys(digests) if d not in linked]
 
@@ -153,7 +160,9 @@ def upload(
     validate_digest(digest)
     with ctx.db.session() as session:
         writable_repo(session, claims, owner, repo)
-        already_stored = _stored(session, digest)
+        stored = _stored(session, digest)
+        # A blob the scrub found damaged is written again for real: that is how it heals.
+        already_stored = stored is not None and stored.health == BLOB_OK
     # The writer checks the store's limit (at once for a declared size), the size
     # (as soon as too many bytes arrive) and the digest.
     if already_stored:
@@ -165,16 +174,16 @@ def upload(
             writer.write(chunk)
         size = writer.commit()
     crash_point("upload.stored")
-    _link(ctx, claims, owner, repo, digest, size, action="blob.upload")
+    _link(ctx, claims, owner, repo, digest, size, action="blob.upload", wrote=not already_stored)
     return size
 
 
-def _stored(session: Session, digest: str) -> bool:
-    """True when the blob's bytes are stored and not condemned; 503 while GC is deleting them."""
+def _stored(session: Session, digest: str) -> Blob | None:
+    """The blob's row when its bytes are stored and not condemned; 503 while GC is deleting them."""
     found = session.get(Blob, digest)
     if found is not None and found.collecting_since is not None:
         raise _being_collected(digest)
-    return found is not None
+    return found
 
 
 def _being_collected(digest: str) -> Unavailable:
@@ -217,12 +226,19 @@ def _hold_or_store(session: Session, digest: str, size: int) -> None:
 
 
 def _link(
-    ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, size: int, action: str, **detail
+    ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, size: int, action: str, *, wrote: bool,
+    **detail,
 ) -> None:
-    """Record a verified write: the blob, its link, the repo if this is its first write, the audit."""
+    """Record a verified write: the blob, its link, the repo if this is its first write, the audit.
+
+    ``wrote``: the bytes were just stored (not only verified against stored ones), which heals a
+    blob the scrub found damaged, and the records binding it.
+    """
     with ctx.db.session() as session:
         target = ensure_repo(session, claims, owner, repo)
         _hold_or_store(session, digest, size)
+        if wrote:
+            set_blob_health(session, digest, BLOB_OK, actor=claims.sub, jti=claims.jti, detail={"via": action})
         linked = insert_ignoring_conflicts(
             session, RepoBlob, repo_id=target.id, digest=digest, linked_by=claims.sub, created_at=utcnow()
         )
@@ -249,7 +265,7 @@ def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str,
     with ctx.db.session() as session:
         writable_repo(session, claims, owner, repo)
     location = locate(ctx, claims, source_owner, source_repo, digest)
-    _link(ctx, claims, owner, repo, digest, location.size, action="blob.mount", source=source)
+    _link(ctx, claims, owner, repo, digest, location.size, action="blob.mount", wrote=False, source=source)
     return location.size
 
 
@@ -382,7 +398,7 @@ def commit_session(
         raise
     crash_point("commit.stored")
     _forget_session(ctx, found.id)
-    _link(ctx, claims, owner, repo, digest, size, action="blob.upload", session=found.id)
+    _link(ctx, claims, owner, repo, digest, size, action="blob.upload", wrote=True, session=found.id)
     return size
 
 

@@ -23,6 +23,7 @@ HEALTH_OK = "ok"
 HEALTH_STATES = (HEALTH_OK, "blob_missing", "blob_corrupt")
 
 _LIVE = text("yanked_at IS NULL")
+_UNHEALTHY = text("yanked_at IS NULL AND health <> 'ok'")
 _RECORD_ID = BigInteger().with_variant(Integer(), "sqlite")
 
 
@@ -78,6 +79,8 @@ class CompiledGraph(Base):
         Index("ix_compiled_graphs_list", "repo_id", "id", sqlite_where=_LIVE, postgresql_where=_LIVE),
         Index("ix_compiled_graphs_list_family", "repo_id", "family", "id",
               sqlite_where=_LIVE, postgresql_where=_LIVE),
+        # The admin views' unhealthy records: few rows, found without a scan.
+        Index("ix_compiled_graphs_unhealthy", "id", sqlite_where=_UNHEALTHY, postgresql_where=_UNHEALTHY),
     )
 
     id: Mapped[int] = mapped_column(_RECORD_ID, primary_key=True, autoincrement=True)

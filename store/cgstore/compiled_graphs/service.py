@@ -51,7 +51,7 @@ from sqlalchemy.orm import Session
 from cgstore import access
 from cgstore.audit.service import record as audit
 from cgstore.blobs.models import Blob
-from cgstore.blobs.service import hold_blobs, visible_blobs
+from cgstore.blobs.service import held_blobs, hold_blobs
 from cgstore.compiled_graphs import admission, receipts
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
@@ -134,7 +134,7 @@ def _linked_sizes(session: Session, claims: Claims, target: Repo | None, manifes
     wanted.update({c.digest: c.size for c in manifest.components})
     linked: dict[str, int] = {}
     if target is not None:
-        linked = dict(session.execute(visible_blobs(claims, target, list(wanted))).all())
+        linked = dict(session.execute(held_blobs(claims, target, list(wanted))).all())
     missing = [d for d in wanted if d not in linked]
     if missing:
         raise BlobReferenceUnknown("the manifest names blobs this repo does not hold", missing=missing)

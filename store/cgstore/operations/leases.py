@@ -25,6 +25,7 @@ from cgstore.operations.models import Lease
 #: Lease names of the background tasks (one place, so no two tasks share one by accident).
 UPLOAD_REAPER = "upload-reaper"
 GC = "gc"
+SCRUB = "scrub"
 
 
 class LeaseLost(RuntimeError):

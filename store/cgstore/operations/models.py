@@ -1,4 +1,4 @@
-"""Tables of the operations feature: the leases background tasks run under."""
+"""Tables of the operations feature: the leases background tasks run under, and where an interrupted scrub resumes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import datetime as dt
 from sqlalchemy import BigInteger, String
 from sqlalchemy.orm import Mapped, mapped_column
 
-from cgstore.core.db import Base, UTCDateTime
+from cgstore.core.db import Base, UTCDateTime, utcnow
 
 
 class Lease(Base):
@@ -34,3 +34,22 @@ class Lease(Base):
     acquired_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
     generation: Mapped[int] = mapped_column(BigInteger, nullable=False, default=1)
     cursor: Mapped[str | None] = mapped_column(String(200), nullable=True)
+
+
+class ScrubCursor(Base):
+    """How far the last scrub of a scope got (blobs are walked in digest order).
+
+    Per scope, unlike a lease's own cursor: a pass over one repo must not move
+    the resume point of a pass over every blob.
+
+    Columns:
+      scope       ``*`` (every blob) or ``owner/repo`` (the blobs linked there).
+      cursor      the last digest checked; NULL once a pass completed (the next starts afresh).
+      updated_at  when the cursor last moved.
+    """
+
+    __tablename__ = "scrub_cursors"
+
+    scope: Mapped[str] = mapped_column(String(300), primary_key=True)
+    cursor: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)

@@ -1,0 +1,21 @@
+"""HTTP endpoint of the admin views (README "Operations"): ``GET /v1/admin/stats`` for admins. Thin."""
+
+from __future__ import annotations
+
+from cgstore_client.wire.admin import AdminStats
+from fastapi import APIRouter, Depends
+from starlette.concurrency import run_in_threadpool
+
+from cgstore.admin import service
+from cgstore.context import StoreContext, get_context
+from cgstore.tokens.claims import Claims
+from cgstore.tokens.dependencies import require_claims
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+
+@router.get("/stats", response_model=AdminStats)
+async def stats(
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
+) -> AdminStats:
+    return await run_in_threadpool(service.read_stats, ctx, claims)

@@ -1,0 +1,144 @@
+"""The facts behind ``cgstore ls/show/stats`` and ``GET /v1/admin/stats``, read in one session each.
+
+Counts are aggregates the database computes (GROUP BY, SUM), so the answer's
+size follows the number of (family, sm, lane) combinations and the list
+bounds in ``cgstore_client.wire.admin``, never the number of records. Every
+view reads live records only (yanked ones are history, in the audit log).
+"""
+
+from __future__ import annotations
+
+from cgstore_client.wire.admin import (
+    DEFAULT_LS_LIMIT,
+    STATS_RECENT,
+    STATS_TOP_PUBLISHERS,
+    AdminStats,
+    PublisherCount,
+    RecordCount,
+    RecordSummary,
+    StorageBytes,
+)
+from cgstore_client.wire.records import Record
+from sqlalchemy import func, select, union
+from sqlalchemy.orm import Session
+
+from cgstore.access import is_admin
+from cgstore.audit.models import AuditEvent
+from cgstore.audit.service import to_entry
+from cgstore.blobs.models import Blob
+from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
+from cgstore.compiled_graphs.service import to_record
+from cgstore.context import StoreContext
+from cgstore.core.errors import KeyConflict
+from cgstore.repos.models import Repo
+from cgstore.tokens.claims import Claims
+
+_LIVE = CompiledGraph.yanked_at.is_(None)
+
+
+def read_stats(ctx: StoreContext, claims: Claims) -> AdminStats:
+    """``GET /v1/admin/stats``: for an admin token only."""
+    is_admin(claims).enforce()
+    with ctx.db.session() as session:
+        return stats(session)
+
+
+def stats(session: Session) -> AdminStats:
+    counts = [
+        RecordCount(family=family, sm=sm, lane=lane, records=n)
+        for family, sm, lane, n in session.execute(
+            select(CompiledGraph.family, CompiledGraph.sm, CompiledGraph.lane, func.count())
+            .where(_LIVE)
+            .group_by(CompiledGraph.family, CompiledGraph.sm, CompiledGraph.lane)
+            .order_by(func.count().desc(), CompiledGraph.family, CompiledGraph.sm, CompiledGraph.lane)
+        )
+    ]
+    publishers = [
+        PublisherCount(publisher=publisher, records=n)
+        for publisher, n in session.execute(
+            select(CompiledGraph.publisher, func.count())
+            .where(_LIVE)
+            .group_by(CompiledGraph.publisher)
+            .order_by(func.count().desc(), CompiledGraph.publisher)
+            .limit(STATS_TOP_PUBLISHERS)
+        )
+    ]
+    return AdminStats(
+        live_records=sum(c.records for c in counts),
+        records=counts,
+        storage=_storage_bytes(session),
+        top_publishers=publishers,
+        recent_conflicts=_recent(session, AuditEvent.outcome == KeyConflict.code),
+        recent_denials=_recent(session, AuditEvent.outcome.not_in(["ok", KeyConflict.code])),
+        unhealthy=_summaries(session, select(CompiledGraph, Repo).where(CompiledGraph.health != HEALTH_OK),
+                             STATS_RECENT),
+    )
+
+
+def _storage_bytes(session: Session) -> StorageBytes:
+    blobs, stored = session.execute(select(func.count(), func.coalesce(func.sum(Blob.size), 0))).one()
+    live_ids = select(CompiledGraph.id).where(_LIVE)
+    artifacts = session.scalar(select(func.coalesce(func.sum(CompiledGraph.artifact_size), 0)).where(_LIVE))
+    components = session.scalar(
+        select(func.coalesce(func.sum(CompiledGraphComponent.size), 0))
+        .where(CompiledGraphComponent.record_id.in_(live_ids))
+    )
+    referenced_digests = union(
+        select(CompiledGraph.artifact_digest).where(_LIVE),
+        select(CompiledGraphComponent.digest).where(CompiledGraphComponent.record_id.in_(live_ids)),
+    ).subquery()
+    referenced = session.scalar(
+        select(func.coalesce(func.sum(Blob.size), 0)).where(Blob.digest.in_(select(referenced_digests.c[0])))
+    )
+    logical = int(artifacts) + int(components)
+    return StorageBytes(
+        blobs=blobs, stored_bytes=int(stored), referenced_bytes=int(referenced), logical_bytes=logical,
+        dedup_ratio=round(logical / referenced, 3) if referenced else None,
+    )
+
+
+def _recent(session: Session, condition) -> list:
+    events = session.scalars(select(AuditEvent).where(condition).order_by(AuditEvent.id.desc()).limit(STATS_RECENT))
+    return [to_entry(event) for event in events]
+
+
+def _summaries(session: Session, query, limit: int) -> list[RecordSummary]:
+    rows = session.execute(
+        query.join(Repo, Repo.id == CompiledGraph.repo_id).where(_LIVE).order_by(CompiledGraph.id.desc()).limit(limit)
+    )
+    return [
+        RecordSummary(
+            repo=f"{repo.owner}/{repo.name}", key=row.key, family=row.family, sm=row.sm, lane=row.lane,
+            health=row.health, publisher=row.publisher, artifact_digest=row.artifact_digest,
+            artifact_size=row.artifact_size, created_at=row.created_at,
+        )
+        for row, repo in rows
+    ]
+
+
+def list_records(
+    session: Session, *, family: str | None = None, sm: str | None = None, limit: int = DEFAULT_LS_LIMIT
+) -> list[RecordSummary]:
+    """``cgstore ls``: the newest live records in every repo, optionally of one family and sm."""
+    query = select(CompiledGraph, Repo)
+    if family is not None:
+        query = query.where(CompiledGraph.family == family)
+    if sm is not None:
+        query = query.where(CompiledGraph.sm == sm)
+    return _summaries(session, query, limit)
+
+
+def show(session: Session, key: str) -> list[Record]:
+    """``cgstore show KEY``: the live record of ``key`` in every repo holding one."""
+    found = session.execute(
+        select(CompiledGraph, Repo).join(Repo, Repo.id == CompiledGraph.repo_id)
+        .where(CompiledGraph.key == key, _LIVE).order_by(Repo.owner, Repo.name)
+    ).all()
+    components: dict[int, list[CompiledGraphComponent]] = {}
+    for component in session.scalars(
+        select(CompiledGraphComponent)
+        .where(CompiledGraphComponent.record_id.in_([row.id for row, _ in found]))
+        .order_by(CompiledGraphComponent.name)
+    ):
+        components.setdefault(component.record_id, []).append(component)
+    return [to_record(repo, row, components.get(row.id, [])) for row, repo in found]

@@ -1,0 +1,309 @@
+"""Scrub on both configurations: damage done behind the store's back is found, named, and kept from resolve.
+
+Each test publishes real records (archive A plus a component of its own, so the
+damaged digests belong to this test alone: the production configuration shares
+one database between stores) in a fresh repo, then flips a byte of one stored
+blob and deletes another straight in the directory or the bucket.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy import select
+from typer.testing import CliRunner
+
+from cgstore.audit.models import AuditEvent
+from cgstore.cli import app
+from cgstore.compiled_graphs.models import CompiledGraph
+from cgstore.operations import leases
+from cgstore.operations.ratelimit import TokenBucket
+from cgstore.operations.scrub import saved_cursor, scrub
+from tests.compiled_graphs.support import (
+    CONSTANTS_A,
+    FAMILY,
+    Blob as BlobBytes,
+    Publication,
+    publication,
+    publish,
+    safetensors_bytes,
+    upload,
+)
+from tests.support.live_store import unique_repo
+from tests.support.services import S3_ENV
+from tests.support.tamper import delete_object, flip_byte, put_raw
+
+MiB = 1 << 20
+
+
+@dataclass
+class World:
+    """A repo with three published records, each binding a component of its own."""
+
+    store: object
+    repo: str
+    token: str
+    pubs: list[Publication]
+
+    def component(self, i: int) -> BlobBytes:
+        return self.pubs[i].components["consts"]
+
+    def health(self) -> list[str]:
+        with self.store.context.db.session() as session:
+            by_key = dict(session.execute(select(CompiledGraph.key, CompiledGraph.health).where(
+                CompiledGraph.key.in_([p.key for p in self.pubs]), CompiledGraph.yanked_at.is_(None))).all())
+        return [by_key[p.key] for p in self.pubs]
+
+    def resolved(self) -> list[bool]:
+        with self.store.client(self.token) as client:
+            answer = client.post("/v1/compiled-graphs:resolve",
+                                 json={"family": FAMILY, "keys": [p.key for p in self.pubs]})
+        assert answer.status_code == 200, answer.text
+        return [item["status"] == "hit" for item in answer.json()["answers"]]
+
+
+@pytest.fixture
+def world(store, pt2_archive, pt2_report) -> World:
+    name = unique_repo("scrub")
+    token = store.mint("scrubbed-minter", f"acme/{name}:read,write")
+    pubs = []
+    for i in range(3):
+        # A nonce in the safetensors metadata: a component digest no other test shares.
+        component = safetensors_bytes(CONSTANTS_A, metadata={"nonce": uuid.uuid4().hex})
+        pubs.append(publication(pt2_archive, pt2_report, components={"consts": component},
+                                envelope={"shapes": [[64, 64]], "text_len": 77, "guidance": [f"{i}.25"]}))
+    with store.client(token) as client:
+        for pub in pubs:
+            assert publish(client, "acme", name, pub).status_code == 201
+    return World(store, f"acme/{name}", token, pubs)
+
+
+def _cli_env(store) -> dict[str, str]:
+    return {
+        "CGSTORE_HOME": str(store.settings.home),
+        "CGSTORE_DATABASE_URL": store.settings.resolved_database_url,
+        "CGSTORE_STORAGE_URL": store.settings.resolved_storage_url,
+        **S3_ENV,
+    }
+
+
+def run_cli(store, *args: str):
+    return CliRunner().invoke(app, ["scrub", *args], env=_cli_env(store))
+
+
+# -- finding damage --------------------------------------------------------------------
+
+
+def test_scrub_names_a_flipped_and_a_deleted_blob_and_resolve_stops_returning_their_records(world):
+    store = world.store
+    corrupt, missing = world.component(0), world.component(1)
+    flip_byte(store, corrupt.digest, corrupt.data)
+    delete_object(store, missing.digest)
+    assert world.resolved() == [True, True, True]  # nothing checked yet: the store cannot know
+
+    result = run_cli(store, "--repo", world.repo)
+    assert result.exit_code == 1, result.output
+    assert f"corrupt {corrupt.digest}" in result.output
+    assert f"missing {missing.digest}" in result.output
+    assert "2 damaged" in result.output and "(complete)" in result.output
+
+    assert world.health() == ["blob_corrupt", "blob_missing", "ok"]
+    assert world.resolved() == [False, False, True]
+    with store.context.db.session() as session:
+        entries = {e.target: e.detail for e in session.scalars(
+            select(AuditEvent).where(AuditEvent.action == "blob.damaged",
+                                     AuditEvent.target.in_([corrupt.digest, missing.digest])))}
+    assert entries[corrupt.digest]["health"] == "corrupt" and entries[corrupt.digest]["records_changed"] == 1
+    assert entries[missing.digest]["health"] == "missing"
+    # A damaged blob counts as not held: the pre-upload check asks for it again.
+    with store.client(world.token) as client:
+        asked = client.post(f"/v1/repos/{world.repo}/blobs:missing",
+                            json={"digests": [corrupt.digest, missing.digest, world.component(2).digest]})
+    assert sorted(asked.json()["missing"]) == sorted([corrupt.digest, missing.digest])
+
+    # A second pass finds the same damage again (still exit 1) but changes nothing more.
+    again = scrub(store.context, repo=world.repo)
+    assert {(f.digest, f.health, f.records_changed) for f in again.damaged} == {
+        (corrupt.digest, "corrupt", 0), (missing.digest, "missing", 0)}
+
+    # Re-uploading the intact bytes heals the blobs and the records.
+    with store.client(world.token) as client:
+        upload(client, *world.repo.split("/"), corrupt)
+        upload(client, *world.repo.split("/"), missing)
+    assert world.health() == ["ok", "ok", "ok"]
+    assert world.resolved() == [True, True, True]
+    healed = run_cli(store, "--repo", world.repo)
+    assert healed.exit_code == 0, healed.output
+    assert "0 damaged" in healed.output
+
+
+def test_a_record_stays_out_while_any_of_its_blobs_is_damaged(world, pt2_archive, pt2_report):
+    """Healing one blob restores only the records whose every blob is intact."""
+    store = world.store
+    shared = safetensors_bytes(CONSTANTS_A, metadata={"nonce": uuid.uuid4().hex})
+    name = world.repo.split("/")[1]
+    # Two records sharing one component: damaging it takes both out.
+    pubs = [publication(pt2_archive, pt2_report, components={"consts": shared},
+                        envelope={"shapes": [[8, 8]], "text_len": 77, "guidance": [f"{i}.75"]}) for i in range(2)]
+    with store.client(world.token) as client:
+        for pub in pubs:
+            assert publish(client, "acme", name, pub).status_code == 201
+    world.pubs.extend(pubs)
+    component = pubs[0].components["consts"]
+    delete_object(store, component.digest)
+    report = scrub(store.context, repo=world.repo)
+    assert [(f.digest, f.records_changed) for f in report.damaged] == [(component.digest, 2)]
+    assert world.health()[3:] == ["blob_missing", "blob_missing"]
+
+    # The bytes come back behind the store's back: the next scrub finds them intact and heals.
+    put_raw(store, component.digest, component.data)
+    report = scrub(store.context, repo=world.repo)
+    assert report.damaged == [] and [(f.digest, f.records_changed) for f in report.healed] == [(component.digest, 2)]
+    assert world.resolved() == [True] * 5
+    result = run_cli(store, "--repo", world.repo)
+    assert result.exit_code == 0 and "0 healed" in result.output  # nothing left to heal
+
+
+# -- sampling, pacing, resuming --------------------------------------------------------
+
+
+def _repo_blobs(world) -> int:
+    return 1 + len(world.pubs)  # the shared artifact plus one component per record
+
+
+def test_sample_checks_that_many_blobs_and_leaves_the_cursor(world):
+    store = world.store
+    delete_object(store, world.component(2).digest)
+    total = _repo_blobs(world)
+    report = scrub(store.context, repo=world.repo, sample=2)
+    assert report.checked == 2 and not report.complete
+    assert saved_cursor(store.context, world.repo) is None
+    found = set()
+    for _ in range(20):  # random picks: the deleted one turns up soon
+        found |= {f.digest for f in scrub(store.context, repo=world.repo, sample=2).damaged}
+        if found:
+            break
+    assert found == {world.component(2).digest}
+    everything = run_cli(store, "--repo", world.repo, "--sample", str(total + 10))
+    assert everything.exit_code == 1 and f"{total} blobs checked" in everything.output
+    assert run_cli(store, "--repo", world.repo, "--sample", "1", "--resume").exit_code == 2
+    with store.client(world.token) as client:
+        upload(client, *world.repo.split("/"), world.component(2))
+    assert world.resolved() == [True, True, True]
+
+
+def test_an_interrupted_pass_resumes_at_its_cursor(world):
+    store = world.store
+    total = _repo_blobs(world)
+    blobs = {world.pubs[0].artifact.digest: world.pubs[0].artifact.data}
+    blobs.update({world.component(i).digest: world.component(i).data for i in range(3)})
+    ordered = sorted(blobs)  # a pass walks in digest order
+    # The last blob in digest order is damaged: the interrupted pass has not reached it.
+    last, data = ordered[-1], blobs[ordered[-1]]
+    flip_byte(store, last, data, at=0)
+
+    calls = []
+
+    def heartbeat():  # a lease lost before the third blob
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("lease lost")
+
+    with pytest.raises(RuntimeError):
+        scrub(store.context, repo=world.repo, heartbeat=heartbeat)
+    assert saved_cursor(store.context, world.repo) == ordered[1]
+
+    result = run_cli(store, "--repo", world.repo, "--resume")
+    assert result.exit_code == 1, result.output
+    assert f"{total - 2} blobs checked" in result.output and f"corrupt {last}" in result.output
+    assert saved_cursor(store.context, world.repo) is None  # the pass completed
+    # Without --resume a pass starts from the beginning.
+    assert scrub(store.context, repo=world.repo).checked == total
+    put_raw(store, last, data)
+    assert scrub(store.context, repo=world.repo).damaged == []
+
+
+def test_rate_limits_the_bytes_read(world):
+    store = world.store
+    started = time.monotonic()
+    report = scrub(store.context, repo=world.repo, rate_bytes_s=0.5 * MiB)
+    elapsed = time.monotonic() - started
+    assert report.bytes_read > 1.4 * MiB  # the 1.5 MiB archive and three small components
+    # One second's burst is free; the rest is paid for at the rate.
+    assert elapsed >= (report.bytes_read - 0.5 * MiB) / (0.5 * MiB) * 0.95
+
+
+def test_token_bucket_sleeps_exactly_the_debt():
+    now = [0.0]
+    slept = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    bucket = TokenBucket(100.0, 100.0, clock=lambda: now[0], sleep=sleep)
+    bucket.take(100)  # the initial burst
+    assert slept == []
+    bucket.take(50)  # no time passed: half a second of debt
+    assert slept == [pytest.approx(0.5)]
+    now[0] += 10  # idle: refills to the burst, not beyond
+    bucket.take(150)
+    assert slept[-1] == pytest.approx(0.5)
+
+
+def test_unknown_repo_is_an_error_not_damage(store):
+    result = run_cli(store, "--repo", f"acme/{unique_repo('nowhere')}")
+    assert result.exit_code == 2 and "NAME_UNKNOWN" in result.output
+
+
+def test_a_damaged_blob_is_not_held_until_sent_again_through_a_session(world, pt2_archive, pt2_report):
+    """Publishing over a damaged blob is refused; a mount does not heal it; a resumable upload does."""
+    store = world.store
+    owner, name = world.repo.split("/")
+    damaged = world.component(0)
+    flip_byte(store, damaged.digest, damaged.data, at=0)
+    assert [f.digest for f in scrub(store.context, repo=world.repo).damaged] == [damaged.digest]
+    again = publication(pt2_archive, pt2_report, components={"consts": damaged.data},
+                        envelope={"shapes": [[16, 16]], "text_len": 77, "guidance": ["9.5"]})
+    with store.client(world.token) as client:
+        refused = client.put(again.path(owner, name), json=again.manifest)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "BLOB_UNKNOWN"
+        assert refused.json()["error"]["detail"]["missing"] == [damaged.digest]
+    # A mount into another repo links the blob but writes no bytes: still damaged.
+    other = unique_repo("scrub-mount")
+    both = store.mint("scrubbed-minter", f"acme/{other}:read,write", f"acme/{name}:read,write")
+    with store.client(both) as client:
+        mounted = client.post(f"/v1/repos/acme/{other}/blobs/{damaged.digest}:mount", params={"from": world.repo})
+        assert mounted.status_code == 201, mounted.text
+    assert world.health()[0] == "blob_corrupt"
+    # The exact bytes through a resumable session: rewritten, verified, healed.
+    with store.client(world.token) as client:
+        location = client.post(f"/v1/repos/{world.repo}/uploads").headers["location"]
+        assert client.put(location, params={"digest": damaged.digest}, content=damaged.data).status_code == 201
+        assert client.put(again.path(owner, name), json=again.manifest).status_code == 201
+    assert world.health() == ["ok", "ok", "ok"]
+    with store.context.db.session() as session:
+        healed = session.scalar(select(AuditEvent).where(AuditEvent.action == "blob.healed",
+                                                         AuditEvent.target == damaged.digest))
+    assert healed.actor == "scrubbed-minter" and healed.detail["was"] == "corrupt"
+    assert scrub(store.context, repo=world.repo).damaged == []
+
+
+def test_one_scrub_at_a_time_under_the_scrub_lease(world):
+    """Refused (exit 2) while another replica holds the lease; runs once it lapses, and lets it go after."""
+    store = world.store
+    busy = leases.acquire(store.context.db, leases.SCRUB, "busy-replica", ttl_s=600)
+    assert busy is not None
+    try:
+        refused = run_cli(store, "--repo", world.repo)
+        assert refused.exit_code == 2 and "holds the scrub lease" in refused.output
+    finally:
+        busy.release()
+    ran = run_cli(store, "--repo", world.repo)
+    assert ran.exit_code == 0, ran.output
+    # Released after the run: another replica takes it at once.
+    assert leases.acquire(store.context.db, leases.SCRUB, "next-replica", ttl_s=600) is not None
+    leases.release(store.context.db, "next-replica")

@@ -1,0 +1,47 @@
+"""Damage done behind a running store's back: the directory's files or the bucket's objects, changed directly.
+
+For the scrub and the admin views' tests: the store learns of it only by
+reading its bytes back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cgstore.storage.hashing import blob_key, parse_digest
+from tests.support.services import S3_ENV
+
+
+def _s3_client(store):
+    """A boto3 client of its own (not the store's) on the store's endpoint."""
+    import boto3
+
+    storage = store.context.storage
+    return boto3.client("s3", endpoint_url=storage.client.meta.endpoint_url, region_name=S3_ENV["AWS_DEFAULT_REGION"],
+                        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"])
+
+
+def flip_byte(store, digest: str, data: bytes, at: int = -1) -> None:
+    """Store ``data`` with one bit of byte ``at`` flipped: same size, another digest."""
+    damaged = bytearray(data)
+    damaged[at] ^= 0x01
+    put_raw(store, digest, bytes(damaged))
+
+
+def put_raw(store, digest: str, data: bytes) -> None:
+    """Write ``data`` as the stored bytes of ``digest``, unverified."""
+    storage = store.context.storage
+    if store.is_s3:
+        _s3_client(store).put_object(Bucket=storage.bucket, Key=storage.blob_key(digest), Body=data)
+    else:
+        Path(storage.root, blob_key(parse_digest(digest))).write_bytes(data)
+
+
+def delete_object(store, digest: str) -> None:
+    """Remove the stored bytes of ``digest``; the blob row stays."""
+    storage = store.context.storage
+    if store.is_s3:
+        _s3_client(store).delete_object(Bucket=storage.bucket, Key=storage.blob_key(digest))
+    else:
+        Path(storage.root, blob_key(parse_digest(digest))).unlink()
