@@ -55,7 +55,7 @@ import blake3
 import httpx
 import psutil
 
-from _common import MiB, emit_result, log, replicated_stack
+from _common import MiB, emit_result, log, replicated_stack, timed
 from tests.compiled_graphs.support import (
     CONSTANTS_A,
     FAMILY,
@@ -160,6 +160,7 @@ class Client:
         self.rng = random.Random(seed)
         self._publishes = 0
         self._uploads = 0
+        self.upload_kind = ""  # of the last upload: monolithic or chunked
 
     def next_replica(self) -> httpx.Client:
         return self._replicas[next(self._turn)]
@@ -217,7 +218,8 @@ class Client:
         self._uploads += 1
         data = os.urandom(self.rng.randint(UPLOAD_MIN, UPLOAD_MAX))
         digest = digest_of(data)
-        error = self._chunked(data, digest) if self._uploads % 2 == 0 else self._monolithic(data, digest)
+        self.upload_kind = "chunked" if self._uploads % 2 == 0 else "monolithic"
+        error = self._chunked(data, digest) if self.upload_kind == "chunked" else self._monolithic(data, digest)
         if error is None:
             self.corpus.uploaded.append((digest, len(data)))
         return error
@@ -253,13 +255,17 @@ class Tally:
     """Latencies and errors per operation, shared by the client threads."""
 
     latencies_ms: dict[str, list[float]] = field(default_factory=lambda: {op: [] for op in MIX})
+    #: Latencies of the two kinds of upload, for the detail lines.
+    upload_ms: dict[str, list[float]] = field(default_factory=lambda: {"monolithic": [], "chunked": []})
     errors: collections.Counter = field(default_factory=collections.Counter)
     first_errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def record(self, op: str, elapsed_ms: float, error: str | None) -> None:
+    def record(self, op: str, elapsed_ms: float, error: str | None, upload_kind: str) -> None:
         with self.lock:
             self.latencies_ms[op].append(elapsed_ms)
+            if op == "upload":
+                self.upload_ms[upload_kind].append(elapsed_ms)
             if error is not None:
                 self.errors[op] += 1
                 if len(self.first_errors) < ERRORS_SHOWN:
@@ -278,7 +284,7 @@ def run_client(client: Client, tally: Tally, start: threading.Barrier, stop: thr
                 error = operations[op]()
             except (httpx.HTTPError, ValueError, KeyError) as exc:  # transport failure or a malformed answer
                 error = f"{type(exc).__name__}: {exc}"
-            tally.record(op, (time.perf_counter() - began) * 1000, error)
+            tally.record(op, (time.perf_counter() - began) * 1000, error, client.upload_kind)
     finally:
         client.close()
 
@@ -319,10 +325,11 @@ def workload(stack, token: str, corpus: Corpus, args) -> tuple[Tally, float]:
 
 
 def report(tally: Tally, wall: float) -> None:
-    for op in MIX:
-        values = tally.latencies_ms[op]
-        log(f"{op:>8}: {len(values):6d} ops ({len(values) / wall:6.1f}/s)  p50 {percentile(values, 0.5):7.1f} ms  "
-            f"p99 {percentile(values, 0.99):7.1f} ms  max {max(values, default=0):7.1f} ms  errors {tally.errors[op]}")
+    rows = {**tally.latencies_ms, **{f"  {kind}": values for kind, values in tally.upload_ms.items()}}
+    for op, values in rows.items():
+        errors = f"  errors {tally.errors[op]}" if op in MIX else ""
+        log(f"{op:>12}: {len(values):6d} ops ({len(values) / wall:6.1f}/s)  p50 {percentile(values, 0.5):7.1f} ms  "
+            f"p99 {percentile(values, 0.99):7.1f} ms  max {max(values, default=0):7.1f} ms{errors}")
     for line in tally.first_errors:
         log("  error:", line)
 
@@ -343,8 +350,13 @@ def main() -> None:
             f"in {time.perf_counter() - began:.1f} s; load average {os.getloadavg()}")
         rss_start = rss_of(stack.server_pids)
         log(f"replica RSS at start (MiB): {rss_start}; {args.clients} clients for {args.duration_s:.0f} s")
-        tally, wall = workload(stack, token, corpus, args)
+        watch = {f"replica {n + 1}": pid for n, pid in enumerate(stack.server_pids)}
+        watch |= {"moto": stack.stacks[0].moto_pid, "clients (this process)": os.getpid()}
+        with timed(watch) as timing:
+            tally, wall = workload(stack, token, corpus, args)
         rss_end = rss_of(stack.server_pids)
+        log("CPU during the workload: " + ", ".join(
+            f"{name} {seconds / timing.wall_s:.0%}" for name, seconds in timing.cpu_s.items()) + " of one core")
         log(f"replica RSS at end (MiB): {rss_end}; load average {os.getloadavg()}")
     report(tally, wall)
     total = sum(len(values) for values in tally.latencies_ms.values())
