@@ -161,6 +161,7 @@ class Client:
         self._publishes = 0
         self._uploads = 0
         self.upload_kind = ""  # of the last upload: monolithic or chunked
+        self.intended_conflicts = 0  # 409 KEY_CONFLICT answers to the deliberate conflicts
 
     def next_replica(self) -> httpx.Client:
         return self._replicas[next(self._turn)]
@@ -208,6 +209,7 @@ class Client:
         response = self.next_replica().put(pub.path(OWNER, REPO), json=pub.manifest)
         if conflict:
             if response.status_code == 409 and response.json()["error"]["code"] == "KEY_CONFLICT":
+                self.intended_conflicts += 1
                 return None
             return _unexpected(response)
         if response.status_code == 200 and response.json()["status"] == "exists":
@@ -259,6 +261,7 @@ class Tally:
     upload_ms: dict[str, list[float]] = field(default_factory=lambda: {"monolithic": [], "chunked": []})
     errors: collections.Counter = field(default_factory=collections.Counter)
     first_errors: list[str] = field(default_factory=list)
+    intended_conflicts: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, op: str, elapsed_ms: float, error: str | None, upload_kind: str) -> None:
@@ -307,10 +310,8 @@ def workload(stack, token: str, corpus: Corpus, args) -> tuple[Tally, float]:
     """Run the clients for ``args.duration_s`` (operations in flight then finish); the wall time."""
     tally, stop = Tally(), threading.Event()
     start = threading.Barrier(args.clients + 1)
-    threads = [
-        threading.Thread(target=run_client, args=(Client(stack.base_urls, token, corpus, seed=n), tally, start, stop))
-        for n in range(args.clients)
-    ]
+    clients = [Client(stack.base_urls, token, corpus, seed=n) for n in range(args.clients)]
+    threads = [threading.Thread(target=run_client, args=(client, tally, start, stop)) for client in clients]
     for thread in threads:
         thread.start()
     start.wait()
@@ -321,6 +322,7 @@ def workload(stack, token: str, corpus: Corpus, args) -> tuple[Tally, float]:
     stop.set()
     for thread in threads:
         thread.join()
+    tally.intended_conflicts = sum(client.intended_conflicts for client in clients)
     return tally, time.monotonic() - began
 
 
@@ -330,6 +332,7 @@ def report(tally: Tally, wall: float) -> None:
         errors = f"  errors {tally.errors[op]}" if op in MIX else ""
         log(f"{op:>12}: {len(values):6d} ops ({len(values) / wall:6.1f}/s)  p50 {percentile(values, 0.5):7.1f} ms  "
             f"p99 {percentile(values, 0.99):7.1f} ms  max {max(values, default=0):7.1f} ms{errors}")
+    log(f"intended 409 KEY_CONFLICT answers (counted as publishes, not errors): {tally.intended_conflicts}")
     for line in tally.first_errors:
         log("  error:", line)
 
