@@ -192,6 +192,36 @@ def production_stack(prefix: str = "cgstore_bench", **settings: object) -> Itera
     ``settings`` are extra store options by field name (``redirect_downloads=True``),
     passed as ``CGSTORE_<NAME>`` variables like any deployment would.
     """
+    with replicated_stack(prefix, replicas=1, **settings) as replicated:
+        yield replicated.stacks[0]
+
+
+@dataclass
+class ReplicatedStack:
+    """Several store processes on one PostgreSQL database, one bucket and one ``CGSTORE_HOME``."""
+
+    stacks: list[Stack]
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [stack.base_url for stack in self.stacks]
+
+    @property
+    def server_pids(self) -> list[int]:
+        return [stack.server_pid for stack in self.stacks]
+
+    def mint(self, sub: str, *grants: str, ttl: str = "1h") -> str:
+        """A token every replica accepts (they share the database that holds the signing keys)."""
+        return self.stacks[0].mint(sub, *grants, ttl=ttl)
+
+
+@contextlib.contextmanager
+def replicated_stack(prefix: str = "cgstore_bench", replicas: int = 2, **settings: object) -> Iterator[ReplicatedStack]:
+    """Like :func:`production_stack`, with ``replicas`` store processes behind no load
+    balancer: each on its own loopback port, all sharing the database, the bucket and
+    the home directory (hence the signing key), the way replicas of one deployment do.
+    Replicas start one after the other, so only the first creates the signing key.
+    """
     with contextlib.ExitStack() as stack:
         database_url = stack.enter_context(services.postgres_database(prefix))
         s3 = stack.enter_context(services.moto_s3_server())
@@ -202,8 +232,10 @@ def production_stack(prefix: str = "cgstore_bench", **settings: object) -> Itera
             "CGSTORE_STORAGE_URL": s3.storage_url(bucket),
             **{f"CGSTORE_{name.upper()}": _env_value(value) for name, value in settings.items()},
         }
-        store = stack.enter_context(services.store_process(env, home))
-        yield Stack(store=store, s3=s3, bucket=bucket, database_url=database_url, home=home)
+        stores = [stack.enter_context(services.store_process(env, home)) for _ in range(replicas)]
+        yield ReplicatedStack([
+            Stack(store=store, s3=s3, bucket=bucket, database_url=database_url, home=home) for store in stores
+        ])
 
 
 def _env_value(value: object) -> str:

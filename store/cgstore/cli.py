@@ -61,9 +61,10 @@ def serve(
 
     from cgstore.app import create_app
     from cgstore.core import migrate as migrations
-    from cgstore.core.serving import server_options
+    from cgstore.core.serving import limit_malloc_arenas, server_options
 
     settings = Settings()
+    limit_malloc_arenas(settings.malloc_arenas)
     private_dir(settings.home)
     url = settings.resolved_database_url
     if migrate if migrate is not None else url.startswith("sqlite"):

@@ -81,6 +81,11 @@ class Settings(BaseSettings):
     worker_threads: int = Field(
         40, ge=1, description="Threads that run database and storage calls (anyio's default limiter)."
     )
+    malloc_arenas: int = Field(
+        2, ge=0, le=64,
+        description="glibc malloc arenas `cgstore serve` allows (0: glibc's default of 8 per core); "
+        "MALLOC_ARENA_MAX, when set, wins.",
+    )
     log_level: str = "info"
 
     @cached_property

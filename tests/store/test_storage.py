@@ -902,3 +902,17 @@ def test_views_reader_reads_across_views_and_rewinds():
     reader.seek(399)
     assert reader.read(2) == data[399:401]
     assert _ViewsReader([]).read() == b""
+
+
+def test_s3_connection_pool_keeps_a_connection_for_every_request_thread(s3_server, tmp_path, caplog):
+    """As many concurrent reads as the store has request threads return their connections
+    to the pool instead of discarding them ("Connection pool is full": reconnects under load)."""
+    threads = 24  # more than the 4 x max_concurrency the pool once held
+    case = build_storage_case("s3", tmp_path, s3_server, worker_threads=threads)
+    data = os.urandom(1024)
+    write_blob(case.storage, data)
+    digest = blake3_digest(data)
+    caplog.set_level("WARNING", logger="urllib3.connectionpool")
+    readers = [case.storage.read(digest) for _ in range(threads)]  # each holds a connection
+    assert all(b"".join(reader) == data for reader in readers)  # and gives it back at the end
+    assert not [r for r in caplog.records if "pool is full" in r.getMessage()]

@@ -226,14 +226,18 @@ def _s3_errors(operation: str) -> Iterator[None]:
         raise Unavailable("object storage unreachable", operation=operation, cause=type(exc).__name__) from exc
 
 
-def _client_config(*, endpoint_url, max_concurrency, connect_timeout_s, read_timeout_s, max_attempts) -> Config:
+def _client_config(
+    *, endpoint_url, max_concurrency, callers, connect_timeout_s, read_timeout_s, max_attempts
+) -> Config:
     options = dict(
         connect_timeout=connect_timeout_s,
         read_timeout=read_timeout_s,
         # Bounded, so a dead store surfaces within seconds instead of stalling requests.
         retries={"total_max_attempts": max_attempts, "mode": "standard"},
-        # Several writes run at once, each with max_concurrency part uploads.
-        max_pool_connections=max(10, 4 * max_concurrency),
+        # Every request thread may hold a connection, and several writes run at once, each
+        # with max_concurrency part uploads: a smaller pool discards (and later reopens)
+        # connections under load, warning "Connection pool is full" (seen in bench/load.py).
+        max_pool_connections=max(10, callers + 4 * max_concurrency),
         signature_version="s3v4",
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
@@ -259,6 +263,7 @@ class S3Storage(Storage):
         public_endpoint_url: str | None = None,
         part_bytes: int = 16 * MiB,
         max_concurrency: int = 4,
+        callers: int = 0,  # threads that may call S3 at once (the request threads): sizes the pool
         max_blob_bytes: int | None = None,
         connect_timeout_s: float = 2.0,
         read_timeout_s: float = 10.0,
@@ -277,6 +282,7 @@ class S3Storage(Storage):
         config = _client_config(
             endpoint_url=endpoint_url,
             max_concurrency=max_concurrency,
+            callers=callers,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
             max_attempts=max_attempts,
@@ -298,6 +304,7 @@ class S3Storage(Storage):
             public_config = _client_config(
                 endpoint_url=public_endpoint_url,
                 max_concurrency=1,
+                callers=0,
                 connect_timeout_s=connect_timeout_s,
                 read_timeout_s=read_timeout_s,
                 max_attempts=max_attempts,
@@ -320,6 +327,7 @@ class S3Storage(Storage):
             public_endpoint_url=settings.s3_public_endpoint_url,
             part_bytes=settings.s3_part_bytes,
             max_concurrency=settings.s3_max_concurrency,
+            callers=settings.worker_threads,
             max_blob_bytes=settings.max_blob_bytes,
         )
 
