@@ -48,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=40, help="measured requests per client per size (default 40)")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured requests per client first (default 3)")
     parser.add_argument("--small", type=int, default=1_000, help="records in the first measurement (default 1000)")
+    parser.add_argument("--workers", type=int, default=2, help="store processes, CGSTORE_WORKERS (default 2: one per core)")
     parser.add_argument("--large", type=int, default=100_000, help="records in the second (default 100000)")
     return parser.parse_args()
 
@@ -191,7 +192,8 @@ def run_size(stack, token: str, records: int, args, rng: random.Random) -> tuple
 def main() -> None:
     args = parse_args()
     rng = random.Random(20261203)
-    with production_stack("cgstore_bench_resolve", redirect_downloads=True, reaper_interval_s=3600) as stack:
+    with production_stack("cgstore_bench_resolve", redirect_downloads=True, reaper_interval_s=3600,
+                          workers=args.workers) as stack:
         token = stack.mint("bench-worker", "bench/*:read")
         started = time.perf_counter()
         seed(stack.database_url, 0, args.small)
@@ -205,7 +207,7 @@ def main() -> None:
         "p50_ms_1k": round(p50_small, 2), "p99_ms_1k": round(p99_small, 2),
         "p50_ms_100k": round(p50_large, 2), "p99_ms_100k": round(p99_large, 2),
         "p99_ratio": round(p99_large / p99_small, 3),
-        "clients": args.clients, "requests": args.clients * args.requests,
+        "clients": args.clients, "requests": args.clients * args.requests, "workers": args.workers,
     })
 
 
