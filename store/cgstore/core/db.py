@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import DateTime, MetaData, any_, bindparam, create_engine, event, make_url
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
@@ -100,6 +100,7 @@ class Database:
         self.url = url
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -111,6 +112,16 @@ class Database:
             except BaseException:
                 session.rollback()
                 raise
+
+    @contextmanager
+    def reading(self) -> Iterator[Connection]:
+        """A connection for a read that is one statement: autocommit, so no BEGIN and COMMIT round trips.
+
+        A single statement sees one snapshot either way; reads that need several
+        statements to agree take a ``session()``.
+        """
+        with self._autocommit.connect() as conn:
+            yield conn
 
     def ping(self) -> None:
         """Raise unless the database answers *and accepts writes*.
