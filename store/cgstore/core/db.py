@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import DateTime, MetaData, any_, bindparam, create_engine, event, make_url
+from sqlalchemy import DateTime, MetaData, String, any_, bindparam, cast, create_engine, event, make_url
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
@@ -146,16 +146,25 @@ class Database:
 def in_values(session: Session, column, values: list):
     """``column IN values`` as one statement with a constant text, whatever ``len(values)``.
 
-    On PostgreSQL ``column = ANY(:array)``: one bound array instead of one
-    placeholder per value, so neither SQLAlchemy nor the driver re-renders and
-    re-parses a 256-placeholder statement on every call. SQLite has no arrays:
-    an expanding IN there.
+    On PostgreSQL ``column = ANY(CAST(:literal AS type[]))``: one bound array
+    literal instead of one placeholder per value, so neither SQLAlchemy nor the
+    driver re-renders and re-parses a 256-placeholder statement on every call;
+    and the literal is one joined string, not an array the driver dumps element
+    by element in Python. SQLite has no arrays: an expanding IN there.
     """
     if session.get_bind().dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import ARRAY
 
-        return column == any_(bindparam(None, list(values), type_=ARRAY(column.type)))
+        literal = bindparam(None, _pg_array_literal(values), type_=String())
+        return column == any_(cast(literal, ARRAY(column.type)))
     return column.in_(list(values))
+
+
+def _pg_array_literal(values: list) -> str:
+    """A PostgreSQL array literal of ints or strings (each string quoted, ``"`` and ``\\`` escaped)."""
+    if all(isinstance(value, int) and not isinstance(value, bool) for value in values):
+        return "{" + ",".join(map(str, values)) + "}"
+    return "{" + ",".join('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"' for value in values) + "}"
 
 
 def insert_ignoring_conflicts(session: Session, model: type[Base], **values) -> bool:
