@@ -403,7 +403,9 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for
         if not is_key(key):
             raise KeyInvalid("not a valid key", key=key[:120])
     with ctx.db.session() as session:
-        candidates = session.execute(
+        # Column rows through Core (the session's connection): the ORM's result
+        # machinery has nothing to add to plain columns and cost a tenth of a resolve.
+        candidates = session.connection().execute(
             select(*_RESOLVE_COLUMNS)
             .join(Repo, Repo.id == CompiledGraph.repo_id)
             # The artifact's blob row must exist: a record never resolves to bytes the database lacks.
@@ -452,7 +454,7 @@ def _rank(row) -> tuple[bool, str, str]:
 def _component_rows(session: Session, record_ids: list[int]) -> dict[int, list[tuple[str, str, int]]]:
     """``(name, digest, size)`` of the chosen records' components: always one statement."""
     by_record: dict[int, list[tuple[str, str, int]]] = {}
-    rows = session.execute(
+    rows = session.connection().execute(
         select(CompiledGraphComponent.record_id, CompiledGraphComponent.name, CompiledGraphComponent.digest,
                CompiledGraphComponent.size)
         .join(Blob, Blob.digest == CompiledGraphComponent.digest)
