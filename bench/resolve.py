@@ -2,9 +2,11 @@
 
     python bench/resolve.py                      # 16 clients, 1 k then 100 k records
     python bench/resolve.py --clients 4 --requests 40
+    python bench/resolve.py --workers 1          # one store process (default 2: CGSTORE_WORKERS)
 
 Starts its own PostgreSQL database, moto_server and the store (PostgreSQL + S3,
-presigned download URLs on) as a separate process, and stops them afterwards.
+presigned download URLs on, ``--workers`` processes) as a separate process, and
+stops them afterwards.
 Records are seeded in bulk with SQL straight into the store's database (a
 publish per record would take hours of archive reading and measure nothing
 about resolve): 1 k records first, measured, then 99 k more, measured again,
@@ -19,7 +21,7 @@ the latency of each request is measured from the first byte sent to the last
 byte received.
 
 Last line: ``{"p50_ms_1k", "p99_ms_1k", "p50_ms_100k", "p99_ms_100k", "p99_ratio"}``
-(ratio = 100 k ÷ 1 k), plus the client count and request count it was taken with.
+(ratio = 100 k ÷ 1 k), plus the client count, request count and store processes it was taken with.
 """
 
 from __future__ import annotations
