@@ -90,6 +90,11 @@ class Settings(BaseSettings):
             return self.storage_url
         return str((self.home / "blobs").absolute())
 
+    @property
+    def spool_dir(self) -> Path:
+        """Where admission spools an archive to read it (private, under CGSTORE_HOME)."""
+        return self.home / "spool"
+
     @cached_property
     def signing_key_path(self) -> Path:
         return self.token_signing_key or self.home / "token-signing-key.pem"

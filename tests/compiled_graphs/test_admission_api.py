@@ -7,7 +7,6 @@ every refusal the key has no record.
 from __future__ import annotations
 
 import json
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -133,19 +132,20 @@ def test_a_size_that_is_not_the_blobs(store, tenant, pt2_archive, report_a, cons
     refused(store, token, name, pub, status=400, code="SIZE_INVALID")
 
 
-def spooled() -> list[Path]:
-    """Admission's temp copies of archives still on disk."""
-    return sorted(Path(tempfile.gettempdir()).glob("cgstore-admit-*"))
+def spooled(store) -> list[Path]:
+    """Admission's temp copies of archives still on disk (in this store's private spool)."""
+    return sorted(store.settings.spool_dir.glob("cgstore-admit-*"))
 
 
 def test_an_archive_carrying_weights_is_refused_naming_the_entry(store, tenant, pt2_archive, report_a, scratch):
     name, token = tenant
     heavy = rewrite(pt2_archive, scratch / "weights.pt2", add=[("archive/data/weights/lin.weight", b"\0" * 128)])
     pub = publication(heavy, report_a)
-    before = spooled()
+    before = spooled(store)
     error = refused(store, token, name, pub, status=422, code="ARTIFACT_INVALID")
     assert "data/weights/lin.weight" in error["message"]
-    assert spooled() == before  # the spooled copy is removed whatever the outcome
+    assert store.settings.spool_dir.is_dir()  # admission spooled here
+    assert spooled(store) == before  # the spooled copy is removed whatever the outcome
 
 
 def test_an_archive_carrying_pickled_sample_inputs_is_refused(store, tenant, pt2_archive, report_a, scratch):

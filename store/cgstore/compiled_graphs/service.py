@@ -64,6 +64,7 @@ from cgstore.core.errors import (
     hidden_miss,
 )
 from cgstore.core.names import ROOT_OWNER, validate_owner, validate_repo
+from cgstore.core.private import private_dir
 from cgstore.repos.models import Repo
 from cgstore.repos.service import find_repo, readable_repo, write_decision
 from cgstore.tokens.claims import Claims
@@ -108,7 +109,9 @@ def _publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str,
         target = find_repo(session, owner, repo)
         sizes = _linked_sizes(session, target, manifest)
     report = admission.inspect_stored(
-        ctx.storage.read(manifest.artifact.digest), sizes[manifest.artifact.digest]
+        ctx.storage.read(manifest.artifact.digest),
+        sizes[manifest.artifact.digest],
+        spool_dir=str(private_dir(ctx.settings.spool_dir)),
     )
     admission.check_archive(report, manifest)
     headers = _component_headers(ctx, manifest)
