@@ -10,7 +10,7 @@ Ours:
 - upload: the file streamed from disk by httpx in 1 MiB chunks, one monolithic
   ``PUT /v1/repos/bench/blobs/blobs/{digest}`` with Content-Length (the store
   hashes it on the way in and writes it to S3 as a multipart upload);
-- download: ``cgstore_client.transfer.download_blob``, the verified download a
+- download: ``Client.fetch_blob`` into a fresh cache, the verified download a
   worker runs: the store answers 307 to a presigned URL, the client follows it
   (without the cap-token), hashes every byte into a temp file and renames it into
   place only when the blake3 digest and size match.
@@ -49,7 +49,7 @@ import boto3
 import httpx
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from cgstore_client.transfer import download_blob
+from cgstore_client import Client
 
 from _common import (
     MiB,
@@ -93,10 +93,10 @@ def our_upload(client: httpx.Client, path: Path, size: int, digest: str) -> None
         raise SystemExit(f"upload failed: {response.status_code} {response.text[:500]}")
 
 
-def our_download(base_url: str, token: str, size: int, digest: str, dest: Path) -> None:
+def our_download(base_url: str, token: str, size: int, digest: str, cache: Path) -> None:
     """The client's verified download: 307 followed, bytes hashed into a temp file, renamed on a match."""
-    download_blob(base_url, token, OWNER, REPO, digest, dest, expected_size=size)
-    dest.unlink()
+    with Client(base_url, token, cache_dir=cache) as client:
+        client.fetch_blob(f"{OWNER}/{REPO}", digest, size).unlink()
 
 
 def boto_download(s3, bucket: str, key: str, size: int, dest: Path) -> None:
@@ -175,7 +175,7 @@ def main() -> None:
                         ("boto_up", lambda: s3.upload_file(str(path), stack.bucket, boto_key, Config=TransferConfig())),
                     ]
                     downloads = [
-                        ("ours_down", lambda: our_download(stack.base_url, token, size, digest, Path(scratch) / "ours.bin")),
+                        ("ours_down", lambda: our_download(stack.base_url, token, size, digest, Path(scratch) / "cache")),
                         ("boto_down", lambda: boto_download(s3, stack.bucket, boto_key, size, Path(scratch) / "boto.bin")),
                     ]
                     for name, run in uploads if rep % 2 == 0 else reversed(uploads):

@@ -31,22 +31,81 @@ class LaneError(CgstoreError, ValueError):
     """Kernel-lane measurements or a device size that the fit rule cannot use."""
 
 
-class TransferError(CgstoreError):
-    """A blob transfer that did not complete: the server refused, or the connection failed.
+class StoreError(CgstoreError):
+    """The store refused a request, or could not be reached.
 
-    ``status`` and ``code`` carry the HTTP status and protocol error code when the
-    server answered; ``retryable`` says whether trying again can help.
+    ``status`` and ``code`` carry the HTTP status and the protocol error code
+    (PROTOCOL.md) when the server answered, ``detail`` its ``detail`` object;
+    ``retryable`` says whether the same request later can succeed.
+    :func:`cgstore_client.http.raise_for_status` is the one place an answer
+    becomes one of these.
     """
 
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
+    retryable = False
+
+    def __init__(
+        self, message: str, *, status: int | None = None, code: str | None = None, detail: dict | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
-
-    @property
-    def retryable(self) -> bool:
-        return self.status is None or self.status == 503
+        self.detail = detail or {}
 
 
-class DownloadCorrupt(CgstoreError):
-    """Downloaded bytes whose blake3 digest or size differ from what was asked for; nothing was kept."""
+class Unauthorized(StoreError):
+    """401: no token, or a malformed, expired, revoked or wrongly signed one (``TOKEN_INVALID``)."""
+
+
+class Denied(StoreError):
+    """403: a valid token without the right (``DENIED``, or ``ROOT_RESERVED`` at the root gate)."""
+
+
+class NotFound(StoreError):
+    """404: absent, or not readable by this token (the store answers both alike)."""
+
+
+class Conflict(StoreError):
+    """409: the key already holds other bytes (``KEY_CONFLICT``; ``detail`` names both digests)."""
+
+
+class Refused(StoreError):
+    """Any other 4xx: the request itself is wrong (bad digest, size, key, archive, envelope...)."""
+
+
+class Unavailable(StoreError):
+    """The store is unreachable, overloaded (429) or in an outage (503): try again later.
+
+    ``retry_after_s`` is the server's ``Retry-After`` when it sent one.
+    """
+
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.retry_after_s = retry_after_s
+
+
+class Offline(CgstoreError):
+    """The client is in offline mode and what was asked is not in the local cache."""
+
+
+class IntegrityError(CgstoreError):
+    """Bytes or a record that are not what was asked for (digest, size, receipt); nothing was kept."""
+
+
+class InsufficientSpace(CgstoreError, OSError):
+    """The cache's file system has not enough free space for a download; nothing was downloaded."""
+
+
+class CompiledRequired(CgstoreError):
+    """A mandatory want that cannot be served compiled: fail the boot before any GPU work, retry later.
+
+    ``reasons`` maps each such key to why (a miss, offline and not cached, a receipt refused...).
+    """
+
+    retryable = True
+
+    def __init__(self, reasons: dict[str, str]) -> None:
+        listed = "; ".join(f"{key}: {why}" for key, why in reasons.items())
+        super().__init__(f"compiled execution is mandatory and not available: {listed}")
+        self.reasons = dict(reasons)

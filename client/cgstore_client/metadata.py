@@ -28,8 +28,16 @@ Document shape (``to_document()``; written with ``canonical_json(..., hashed=Fal
           "order": ["<lane>", ...]     # fallback order, winner first
         }
       },
+      "ties": [["lm_head.weight", "transformer.wte.weight"], ...],   # only when something is tied
       ...harmless extras...
     }
+
+``ties`` lists the fully-qualified names that share one storage in the live
+program (GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``), recorded by
+the mint: AOTI keeps only one of them, and a tie-deduplicated checkpoint holds
+only the other, so the loader needs to know they are one tensor. Ties change the
+compiled program, so the graph digest accounts for them
+(:func:`cgstore_client.archive.graph.tied_graph_digest`).
 
 ``binding`` names the term of the fit rule that decided the winner:
 
@@ -152,7 +160,11 @@ _TOP_LEVEL_KEYS = (
     "package_constants_in_so",
     "constant_folding_fenced",
     "kernel_lane",
+    "ties",
 )
+#: Bounds on a ``ties`` block: groups, and names per group.
+_MAX_TIE_GROUPS = 4096
+_MAX_TIE_NAMES = 64
 _KERNEL_LANE_KEYS = frozenset({"winner", "rule", "binding", "margin_fraction", "candidates", "fit"})
 _FIT_KEYS = frozenset({"quantum_bytes", "activation_spike_fraction", "fragmentation_headroom_bytes", "peaks", "order"})
 
@@ -377,6 +389,8 @@ class CompiledGraphMetadata:
     constant_folding_fenced: bool
     kernel_lane: KernelLane | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: Fully-qualified names that share one storage in the live program (tied weights), canonical order.
+    ties: tuple[tuple[str, ...], ...] = ()
     kind: str = KIND_AOT_INDUCTOR
     compiled_graph_format: str = COMPILED_GRAPH_FORMAT
 
@@ -387,6 +401,7 @@ class CompiledGraphMetadata:
             raise MetadataError(f"sm must be a canonical sm (e.g. sm_90, cpu-x86_64-avx512), got {self.sm!r}")
         _require_bool(self.package_constants_in_so, "package_constants_in_so")
         _require_bool(self.constant_folding_fenced, "constant_folding_fenced")
+        object.__setattr__(self, "ties", canonical_ties(self.ties))
         if self.kernel_lane is not None and not isinstance(self.kernel_lane, KernelLane):
             raise MetadataError(f"kernel_lane must be a KernelLane or null, got {_describe(self.kernel_lane)}")
         extra = _require_mapping(self.extra, "extra")
@@ -411,11 +426,30 @@ class CompiledGraphMetadata:
                 "kernel_lane": None if self.kernel_lane is None else self.kernel_lane.to_document(),
             }
         )
+        if self.ties:  # absent when nothing is tied: untied archives read exactly as before
+            document["ties"] = [list(group) for group in self.ties]
         return document
 
     def to_json_bytes(self) -> bytes:
         """The bytes the mint writes to ``extra/metadata.json``: canonical, so two mints agree."""
         return canonical_json(self.to_document(), hashed=False)
+
+
+def canonical_ties(value: object) -> tuple[tuple[str, ...], ...]:
+    """Tie groups in canonical form: each group sorted, groups sorted; a name in two groups is refused."""
+    groups = _require_list(value, "ties")
+    if len(groups) > _MAX_TIE_GROUPS:
+        raise MetadataError(f"ties: at most {_MAX_TIE_GROUPS} groups")
+    canonical, seen = [], set()
+    for i, group in enumerate(groups):
+        names = [_require_str(name, f"ties[{i}]") for name in _require_list(group, f"ties[{i}]")]
+        if not 2 <= len(set(names)) == len(names) <= _MAX_TIE_NAMES:
+            raise MetadataError(f"ties[{i}]: a tie is 2 to {_MAX_TIE_NAMES} distinct names, got {names!r}")
+        if seen.intersection(names):
+            raise MetadataError(f"ties[{i}]: {sorted(seen.intersection(names))} already tied in another group")
+        seen.update(names)
+        canonical.append(tuple(sorted(names)))
+    return tuple(sorted(canonical))
 
 
 def _check_format(value: object) -> None:
@@ -555,6 +589,7 @@ def parse_metadata(doc: object) -> CompiledGraphMetadata:
         constant_folding_fenced=_require_bool(document["constant_folding_fenced"], "constant_folding_fenced"),
         kernel_lane=parse_kernel_lane(document.get("kernel_lane")),
         extra=extra,
+        ties=canonical_ties(document.get("ties", [])),
     )
 
 
@@ -610,6 +645,7 @@ def build_metadata(
     package_constants_in_so: bool = False,
     constant_folding_fenced: bool = True,
     extra: Mapping[str, Any] | None = None,
+    ties: object = (),
 ) -> CompiledGraphMetadata:
     """Mint side: assemble metadata with the admissible policy as defaults.
 
@@ -625,6 +661,7 @@ def build_metadata(
         constant_folding_fenced=constant_folding_fenced,
         kernel_lane=kernel_lane,
         extra=dict(extra or {}),
+        ties=ties,
     )
     reparsed = parse_metadata_json(metadata.to_json_bytes())
     if reparsed != metadata:  # a guard on this module's own round trip, not on the caller

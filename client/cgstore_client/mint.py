@@ -80,7 +80,7 @@ import subprocess
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +89,12 @@ from filelock import FileLock
 
 from cgstore_client.archive import ArchiveError, ArchiveReport, inspect
 from cgstore_client.archive.device import DeviceFacts, device_facts_from_aoti_metadata
-from cgstore_client.archive.graph import graph_digest_from_program, program_document_from_program, strip_debug_metadata
+from cgstore_client.archive.graph import (
+    graph_digest_from_program,
+    program_document_from_program,
+    program_ties,
+    strip_debug_metadata,
+)
 from cgstore_client.errors import CgstoreError, MetadataError
 from cgstore_client.keys import Toolchain, canonical_json, validate_digest
 from cgstore_client.metadata import CompiledGraphMetadata, build_metadata, parse_metadata
@@ -104,6 +109,7 @@ __all__ = [
     "MintResult",
     "compile_configs",
     "default_build_dir",
+    "derived_constants_path",
     "environment_sm",
     "environment_toolchain",
     "package_compiled_graph",
@@ -162,6 +168,8 @@ class MintResult:
     digest: str
     size: int
     report: ArchiveReport
+    #: The derived constants (see :func:`derived_constants_path`), or None when the program has none.
+    constants_path: str | None = None
 
     @property
     def graph_digest(self) -> str:
@@ -412,6 +420,38 @@ def _write_archive(
         raise
 
 
+def derived_constants_path(archive_path: str | os.PathLike[str]) -> str:
+    """Where the mint writes an archive's derived constants: ``model.pt2`` -> ``model.constants.safetensors``."""
+    base = os.fspath(archive_path)
+    return (base[: -len(".pt2")] if base.endswith(".pt2") else base) + ".constants.safetensors"
+
+
+def _write_derived_constants(program: ExportedProgram, archive_path: str) -> str | None:
+    """Write the program's constants that no checkpoint holds; returns the file, or None when there are none.
+
+    ``program.constants`` holds exactly those: non-persistent buffers (HF BERT's
+    ``position_ids``), which ``state_dict`` checkpoints omit, and lifted tensor
+    literals. The archive is weight-free, so their values travel beside it as a
+    named component (safetensors: read without unpickling), keyed by fqn.
+    """
+    from cgstore_client.loader import save_tensors
+
+    path = derived_constants_path(archive_path)
+    tensors = {fqn: value.clone() for fqn, value in sorted(program.constants.items()) if hasattr(value, "untyped_storage")}
+    if not tensors:
+        if os.path.exists(path):
+            os.unlink(path)  # a stale file from an earlier mint to the same path would be bound by mistake
+        return None
+    temporary = f"{path}.{os.getpid()}.{secrets.token_hex(8)}.part"
+    try:
+        save_tensors(tensors, temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return path
+
+
 def _file_digest(path: str) -> tuple[str, int]:
     hasher = blake3.blake3()
     size = 0
@@ -456,9 +496,14 @@ def package_compiled_graph(
     compilation happens (see :func:`default_build_dir`); its path is part of
     the compiled bytes.
 
-    Returns the archive's path, blake3 digest, size and the reader's report;
-    the report's graph digest equals :func:`graph_digest_from_program` of
-    ``program``.
+    Tied weights (names sharing one storage) are recorded in the metadata's
+    ``ties``; the program's derived constants (non-persistent buffers, lifted
+    literals: what no checkpoint holds) are written beside the archive
+    (:func:`derived_constants_path`) for ``Client.publish`` to upload as a component.
+
+    Returns the archive's path, blake3 digest, size, the reader's report and
+    the derived constants' path; the report's graph digest equals
+    :func:`graph_digest_from_program` of ``program``.
     """
     from torch.export import ExportedProgram
 
@@ -477,11 +522,13 @@ def package_compiled_graph(
     with _fresh_build_dir(build_dir):
         files = _compile(program, configs)
         device = _device_of(files)
-        resolved = _resolve_metadata(metadata, device.sm)
+        # The mint measures ties itself: they are a fact of the live program, and part of its identity.
+        resolved = replace(_resolve_metadata(metadata, device.sm), ties=program_ties(program))
         _write_archive(destination, model_name, _program_bytes(program), resolved, _aoti_entries(files, model_name))
     report = _read_back(destination, graph_digest_from_program(program))
     digest, size = _file_digest(destination)
-    return MintResult(path=destination, digest=digest, size=size, report=report)
+    constants = _write_derived_constants(program, destination)
+    return MintResult(path=destination, digest=digest, size=size, report=report, constants_path=constants)
 
 
 # --------------------------------------------------------------------------

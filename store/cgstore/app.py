@@ -20,10 +20,12 @@ from cgstore.context import StoreContext
 from cgstore.core.db import Database
 from cgstore.compiled_graphs.router import repo_router as compiled_graphs_router
 from cgstore.compiled_graphs.router import resolve_router as compiled_graphs_resolve_router
-from cgstore.core.http import install_error_handlers, install_request_schemas
+from cgstore.core.http import ERROR_RESPONSES, install_error_handlers, install_request_schemas
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.core.private import private_dir
 from cgstore.health.router import router as health_router
+from cgstore.operations import gc, leases
+from cgstore.operations import service as operations
 from cgstore.owners.router import router as owners_router
 from cgstore.repos.router import router as repos_router
 from cgstore.settings import Settings
@@ -56,16 +58,14 @@ def _open_sessions_or_nan(ctx: StoreContext) -> float:
         return float("nan")
 
 
-async def _reap_forever(ctx: StoreContext) -> None:
-    """Reclaim abandoned upload sessions every ``reaper_interval_s``."""
-    while True:
-        await asyncio.sleep(ctx.settings.reaper_interval_s)
-        try:
-            reaped = await run_in_threadpool(blobs_service.reap_expired_sessions, ctx)
-            if reaped:
-                log.info("reaped %d expired upload sessions", reaped)
-        except Exception:  # an outage must not kill the reaper; it tries again next round
-            log.exception("upload session reaper failed")
+def _background_tasks(ctx: StoreContext) -> list[asyncio.Task]:
+    """The periodic tasks, each under its lease (one replica at a time runs each)."""
+    return [
+        asyncio.create_task(
+            operations.run_periodically(ctx, leases.UPLOAD_REAPER, ctx.settings.reaper_interval_s, operations.reap_sessions)
+        ),
+        asyncio.create_task(operations.run_periodically(ctx, leases.GC, ctx.settings.gc_interval_s, gc.collect_garbage)),
+    ]
 
 
 async def _flush_denials(ctx: StoreContext) -> None:
@@ -84,18 +84,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The pool every database and storage call runs in (per event loop).
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
-        tasks = [asyncio.create_task(_reap_forever(ctx)), asyncio.create_task(ctx.denials.flush_forever())]
+        tasks = [*_background_tasks(ctx), asyncio.create_task(ctx.denials.flush_forever())]
         try:
             yield
         finally:
             for task in tasks:
                 task.cancel()
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await run_in_threadpool(operations.release_all, ctx)
             await _flush_denials(ctx)
             ctx.db.dispose()
 
-    app = FastAPI(title="cgstore", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="cgstore", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
     app.state.context = ctx
     install_error_handlers(app, on_denial=audit_denial)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)

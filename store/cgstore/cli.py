@@ -1,4 +1,4 @@
-"""The ``cgstore`` command: serve, migrate, tokens and the key ring, principals, uploads, the audit log.
+"""The ``cgstore`` command: serve, migrate, tokens and the key ring, principals, uploads, GC, the audit log.
 
 The token, key and principal commands work on the database directly (an
 operator on the store's host); every change they make is audited with actor
@@ -88,12 +88,23 @@ def serve(
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: str = "head") -> None:
+def db_upgrade(
+    revision: str = "head",
+    wait: Annotated[str, typer.Option(help="Retry connecting this long first (90s, 2m) while the database starts.")] = "0s",
+) -> None:
     """Migrate CGSTORE_DATABASE_URL to ``revision`` (default: the newest)."""
+    from sqlalchemy.exc import OperationalError
+
     from cgstore.core import migrate as migrations
 
     settings = Settings()
-    migrations.upgrade(settings.resolved_database_url, revision)
+    url = settings.resolved_database_url
+    try:
+        migrations.wait_for_database(url, parse_duration(wait))
+    except OperationalError as err:
+        typer.echo(f"error: the database did not answer within {wait}: {err.orig}", err=True)
+        raise typer.Exit(2) from None
+    migrations.upgrade(url, revision)
     typer.echo(f"database at {revision}")
 
 
@@ -210,9 +221,47 @@ def keys_list() -> None:
 def uploads_reap() -> None:
     """Reclaim the bytes of expired upload sessions now (the server also does it periodically)."""
     from cgstore.app import build_context
-    from cgstore.blobs.service import reap_expired_sessions
+    from cgstore.operations import leases
+    from cgstore.operations import service as operations
 
-    typer.echo(f"reaped {reap_expired_sessions(build_context(Settings()))} sessions")
+    reaped = operations.run_once(build_context(Settings()), leases.UPLOAD_REAPER, operations.reap_sessions)
+    if reaped is None:
+        typer.echo("another instance is reaping now (it holds the upload-reaper lease)", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"reaped {reaped} sessions")
+
+
+@app.command("gc")
+def gc_command(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted; delete nothing.")] = False,
+    grace: Annotated[str | None, typer.Option(help="Keep blobs linked more recently than this (default CGSTORE_GC_GRACE_S).")] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, max=10_000, help="Blobs per batch (default CGSTORE_GC_BATCH_SIZE).")] = None,
+) -> None:
+    """Delete blobs nothing keeps and reap expired upload sessions; one line per blob, a JSON summary last."""
+    import json
+
+    from cgstore.app import build_context
+    from cgstore.operations import gc, leases
+
+    ctx = build_context(Settings())
+    options = {"grace_s": None if grace is None else parse_duration(grace), "batch_size": batch_size}
+    if dry_run:  # reads only: needs no lease, disturbs no running collection
+        report = gc.collect(ctx, dry_run=True, **options)
+    else:
+        lease = leases.acquire(ctx.db, leases.GC, ctx.instance, ctx.settings.lease_ttl_s)
+        if lease is None:
+            typer.echo("another instance is collecting now (it holds the gc lease)", err=True)
+            raise typer.Exit(1)
+        try:
+            report = gc.collect(ctx, lease=lease, **options)
+        finally:
+            lease.release()
+    verb = "would delete" if dry_run else "deleted"
+    for digest in report.blobs:
+        typer.echo(f"{verb} {digest}")
+    for session_id in report.sessions:
+        typer.echo(f"would reap upload session {session_id}")
+    typer.echo(json.dumps(report.summary()))
 
 
 app.command("audit")(audit_command(parse_duration))

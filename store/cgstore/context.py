@@ -6,7 +6,10 @@ services: it is where the app is composed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -26,6 +29,13 @@ class StoreContext:
     tokens: TokenService
     metrics: Metrics
     denials: DenialLog
+    #: Names this store process among replicas (the holder of its leases).
+    instance: str = field(default_factory=lambda: instance_id())
+
+
+def instance_id() -> str:
+    """A name for this store process that no other process (here or on another host) shares."""
+    return f"{socket.gethostname()[:100]}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def get_context(request: Request) -> StoreContext:

@@ -4,12 +4,13 @@ from cgstore.audit.models import AuditEvent
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
 from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
 from cgstore.core.db import Base
+from cgstore.operations.models import Lease
 from cgstore.owners.models import Owner, Principal
 from cgstore.repos.models import Repo
 from cgstore.tokens.models import SigningKey, TokenRecord
 
 __all__ = [
-    "AuditEvent", "Base", "Blob", "CompiledGraph", "CompiledGraphComponent", "Owner", "Principal", "Repo",
+    "AuditEvent", "Base", "Blob", "CompiledGraph", "CompiledGraphComponent", "Lease", "Owner", "Principal", "Repo",
     "RepoBlob", "SigningKey", "TokenRecord",
     "UploadSession",
 ]

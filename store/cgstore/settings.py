@@ -51,6 +51,14 @@ class Settings(BaseSettings):
     max_json_bytes: int = Field(1 * MiB, ge=1024, description="Largest JSON request body accepted.")
     upload_session_ttl_s: int = Field(24 * 3600, ge=1, description="Idle time after which an upload session expires.")
     reaper_interval_s: float = Field(60.0, gt=0, description="How often expired upload sessions are reclaimed.")
+    gc_interval_s: float = Field(3600.0, gt=0, description="How often the server collects garbage.")
+    gc_grace_s: int = Field(
+        24 * 3600, ge=0, description="Blobs linked more recently than this (and yanked records younger) are kept."
+    )
+    gc_batch_size: int = Field(500, ge=1, le=10_000, description="Blobs condemned and deleted per GC batch.")
+    lease_ttl_s: float = Field(
+        120.0, gt=0, description="Lifetime of a background task's lease; a crashed holder's lapses after this."
+    )
     s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="Multipart part size for S3 writes.")
     s3_max_concurrency: int = Field(4, ge=1, le=64, description="Parts uploaded in parallel per S3 write.")
     audit_interval_s: float = Field(

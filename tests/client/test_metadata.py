@@ -562,3 +562,16 @@ def test_valid_metadata_survives_its_own_bytes(verdict, sm, in_so, fenced):
     reread = parse_metadata_json(written)
     assert reread == metadata
     assert reread.to_json_bytes() == written
+
+
+def test_ties_are_canonical_and_refused_when_malformed() -> None:
+    from cgstore_client.metadata import canonical_ties
+
+    assert canonical_ties([["wte.weight", "lm_head.weight"], ["b", "a"]]) == (("a", "b"), ("lm_head.weight", "wte.weight"))
+    for bad in ([["only"]], [["a", "a"]], [["a", "b"], ["b", "c"]], [[1, 2]], "ab"):
+        with pytest.raises(MetadataError):
+            canonical_ties(bad)
+    tied = build_metadata(sm="sm_90", ties=[["wte.weight", "lm_head.weight"]])
+    assert tied.to_document()["ties"] == [["lm_head.weight", "wte.weight"]]
+    assert parse_metadata_json(tied.to_json_bytes()) == tied
+    assert "ties" not in build_metadata(sm="sm_90").to_document()  # untied metadata reads as before

@@ -1,12 +1,15 @@
 """Real ``.pt2`` archives for the test session: compiled once, cached across runs.
 
 An AOTInductor compile costs ~20-40 s on this machine, so the session
-compiles exactly three archives, and only when the cache is cold:
+compiles exactly four archives, and only when the cache is cold:
 
 ``tiny.pt2``
     archive A: :class:`TinyModel` (seed 0) minted in this process.
 ``tiny-reweighted.pt2``
     the same program with other weights (seed 1), under another file name.
+``tied.pt2``
+    :class:`TiedLM`: GPT-2's shape in miniature (an embedding tied to the LM
+    head, a non-persistent ``position_ids`` buffer as in HF BERT, a dead pooler).
 ``second-mint.pt2``
     archive A minted again in a *subprocess* with its own
     ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``, ``TMPDIR`` and working
@@ -66,6 +69,7 @@ _KEY_SOURCES = (
 ARCHIVE_A = "tiny.pt2"
 ARCHIVE_REWEIGHTED = "tiny-reweighted.pt2"
 ARCHIVE_SECOND_MINT = "second-mint.pt2"
+ARCHIVE_TIED = "tied.pt2"
 _BUILD_RECORD = "build.json"
 
 #: The dynamic batch dimension's declared range.
@@ -158,6 +162,40 @@ def _rekeyed(model: torch.nn.Module, keys: tuple[str, str]) -> torch.nn.Module:
     return Rekeyed()
 
 
+def tied_model(seed: int = 0) -> torch.nn.Module:
+    """An embedding tied to the LM head (one storage, two names), a non-persistent buffer, a dead parameter."""
+    import torch
+
+    class TiedLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = torch.nn.Embedding(16, 8)
+            self.lm_head = torch.nn.Linear(8, 16, bias=False)
+            self.lm_head.weight = self.wte.weight  # what HF's tie_weights() does
+            self.register_buffer("position_ids", torch.arange(6), persistent=False)
+            self.pos = torch.nn.Embedding(6, 8)
+            self.pooler = torch.nn.Linear(8, 8)  # never called: AOTI needs no value for it
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            positions = self.position_ids[: ids.shape[1]]
+            return self.lm_head(self.wte(ids) + self.pos(positions))
+
+    torch.manual_seed(seed)
+    return TiedLM()
+
+
+def tied_inputs(length: int = 4) -> tuple[torch.Tensor]:
+    import torch
+
+    return (torch.randint(0, 16, (2, length), generator=torch.Generator().manual_seed(7 + length)),)
+
+
+def tied_program(seed: int = 0) -> ExportedProgram:
+    import torch
+
+    return torch.export.export(tied_model(seed), tied_inputs())
+
+
 # --------------------------------------------------------------------------
 # Building and caching
 # --------------------------------------------------------------------------
@@ -193,6 +231,10 @@ class BuiltArchives:
     def second_mint(self) -> Path:
         return self.directory / ARCHIVE_SECOND_MINT
 
+    @property
+    def tied(self) -> Path:
+        return self.directory / ARCHIVE_TIED
+
 
 def mint_tiny(path: Path, seed: int = 0) -> float:
     """Mint :func:`tiny_program` (``seed``) to ``path``; returns the seconds it took."""
@@ -200,6 +242,14 @@ def mint_tiny(path: Path, seed: int = 0) -> float:
 
     started = time.perf_counter()
     package_compiled_graph(tiny_program(seed), path)
+    return time.perf_counter() - started
+
+
+def _timed_mint(program: ExportedProgram, path: Path) -> float:
+    from cgstore_client.mint import package_compiled_graph
+
+    started = time.perf_counter()
+    package_compiled_graph(program, path)
     return time.perf_counter() - started
 
 
@@ -229,12 +279,13 @@ def _mint_in_subprocess(path: Path, scratch: Path) -> float:
 
 
 def build_archives(directory: Path) -> dict[str, object]:
-    """Compile the three session archives into ``directory``; returns the build record."""
+    """Compile the four session archives into ``directory``; returns the build record."""
     directory.mkdir(parents=True, exist_ok=True)
     seconds = {
         ARCHIVE_A: mint_tiny(directory / ARCHIVE_A, seed=0),
         ARCHIVE_REWEIGHTED: mint_tiny(directory / ARCHIVE_REWEIGHTED, seed=1),
         ARCHIVE_SECOND_MINT: _mint_in_subprocess(directory / ARCHIVE_SECOND_MINT, directory / "scratch"),
+        ARCHIVE_TIED: _timed_mint(tied_program(), directory / ARCHIVE_TIED),
     }
     shutil.rmtree(directory / "scratch", ignore_errors=True)
     return {"compile_seconds": seconds, "compiles": len(seconds)}
@@ -280,7 +331,7 @@ def archive_report(path: Path) -> ArchiveReport:
 
 @pytest.fixture(scope="session")
 def built_archives() -> BuiltArchives:
-    """The session's three real archives (compiled on a cold cache only)."""
+    """The session's four real archives (compiled on a cold cache only)."""
     return ensure_archives()
 
 
@@ -300,6 +351,12 @@ def pt2_archive_reweighted(built_archives: BuiltArchives) -> Path:
 def pt2_archive_second_mint(built_archives: BuiltArchives) -> Path:
     """Archive A minted again in a subprocess with different cache dirs, TMPDIR and cwd."""
     return built_archives.second_mint
+
+
+@pytest.fixture(scope="session")
+def pt2_archive_tied(built_archives: BuiltArchives) -> Path:
+    """:func:`tied_program` minted: ties in its metadata, derived constants beside it."""
+    return built_archives.tied
 
 
 @pytest.fixture(scope="session")

@@ -41,14 +41,15 @@ encoded
 
 Result: ``"blake3:" + blake3(canonical_json({"v": 1, ...})).hexdigest()``.
 Independent of the archive's root folder (the document is read by model
-name), of weight values, process and machine. This module imports no torch;
+name), of weight values, process and machine. Tied weights (constants sharing
+one storage, recorded in the metadata) fold in through :func:`tied_graph_digest`. This module imports no torch;
 :func:`graph_digest_from_program` imports it lazily.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cgstore_client.archive.errors import ProgramInvalid
@@ -62,6 +63,8 @@ __all__ = [
     "ProgramView",
     "graph_digest_from_document",
     "graph_digest_from_program",
+    "program_ties",
+    "tied_graph_digest",
     "program_document_from_program",
     "KEPT_NODE_METADATA",
     "strip_debug_metadata",
@@ -413,8 +416,38 @@ def program_document_from_program(program: ExportedProgram) -> bytes:
     return artifact.exported_program
 
 
+def tied_graph_digest(program_digest: str, ties: Sequence[Sequence[str]]) -> str:
+    """The graph digest of a program whose constants in ``ties`` share storage.
+
+    The serialized program lists tied weights as separate parameters; which of
+    them are one tensor is known only to the live program (and recorded by the
+    mint in the metadata). Sharing changes what AOTI compiles, so it is part of
+    the identity: with ties the digest is ``digest({"v": 1, "program": <digest
+    of the projection>, "ties": [[fqn, ...], ...]})`` over canonical tie groups;
+    without ties it is the projection's digest unchanged.
+    """
+    if not ties:
+        return program_digest
+    return digest({"v": 1, "program": program_digest, "ties": [list(group) for group in ties]})
+
+
+def program_ties(program: ExportedProgram) -> tuple[tuple[str, ...], ...]:
+    """The fully-qualified names of ``program``'s tensors that are one tensor (same storage and view)."""
+    from cgstore_client.metadata import canonical_ties
+
+    groups: dict[tuple[object, ...], list[str]] = {}
+    for fqn, tensor in sorted({**program.constants, **program.state_dict}.items()):
+        if not hasattr(tensor, "untyped_storage"):
+            continue  # custom objects hold no tensor storage
+        view = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                tuple(tensor.stride()), str(tensor.dtype))
+        groups.setdefault(view, []).append(fqn)
+    return canonical_ties([names for names in groups.values() if len(names) > 1])
+
+
 def graph_digest_from_program(program: ExportedProgram) -> str:
-    """The graph digest of an in-memory ExportedProgram: torch's serialization, then the same projection."""
+    """The graph digest of an in-memory ExportedProgram: torch's serialization, the same projection, its ties."""
     import json
 
-    return graph_digest_from_document(json.loads(program_document_from_program(program)))
+    projected = graph_digest_from_document(json.loads(program_document_from_program(program)))
+    return tied_graph_digest(projected, program_ties(program))

@@ -58,11 +58,11 @@ from cgstore_client.archive.errors import (
     ProgramInvalid,
     SmMismatch,
 )
-from cgstore_client.archive.graph import ProgramView
+from cgstore_client.archive.graph import ProgramView, tied_graph_digest
 from cgstore_client.archive.kind import RETIRED_KIND, looks_like_inductor_cache, refuse_non_zip
 from cgstore_client.archive.zipsafe import DEFAULT_LIMITS, Limits, SafeZip
 from cgstore_client.errors import MetadataError
-from cgstore_client.metadata import KIND_AOT_INDUCTOR, CompiledGraphMetadata, parse_metadata
+from cgstore_client.metadata import KIND_AOT_INDUCTOR, CompiledGraphMetadata, canonical_ties, parse_metadata
 
 __all__ = [
     "ARCHIVE_FORMAT",
@@ -333,6 +333,13 @@ def _read_metadata(zf: SafeZip, layout: _Layout) -> CompiledGraphMetadata:
         raise MetadataInvalid(f"{METADATA_PATH}: {exc}", exc) from exc
 
 
+def _check_ties(metadata: CompiledGraphMetadata, binding_table: list[dict[str, Any]]) -> None:
+    known = {row["fqn"] for row in binding_table}
+    for group in metadata.ties:
+        if unknown := [name for name in group if name not in known]:
+            raise MetadataInvalid(f"{METADATA_PATH}: ties name {unknown}, which are not constants of the program")
+
+
 def _check_policy(metadata: CompiledGraphMetadata, device: DeviceFacts) -> None:
     if metadata.package_constants_in_so:
         raise ArchiveNotWeightFree(
@@ -360,13 +367,14 @@ def inspect(path: str | os.PathLike[str], *, limits: Limits = DEFAULT_LIMITS) ->
         device = _read_device(zf, layout)
         metadata = _read_metadata(zf, layout)
         _check_policy(metadata, device)
+        _check_ties(metadata, facts.binding_table)
         return ArchiveReport(
             kind=KIND_AOT_INDUCTOR,
             format=ARCHIVE_FORMAT,
             root=layout.root,
             model_name=layout.model_name,
             archive_version=layout.archive_version,
-            graph_digest=facts.graph_digest,
+            graph_digest=tied_graph_digest(facts.graph_digest, metadata.ties),
             input_contract=facts.input_contract,
             binding_table=facts.binding_table,
             sm=device.sm,
@@ -392,4 +400,16 @@ def graph_digest_from_archive(path: str | os.PathLike[str], *, limits: Limits = 
         if len(programs) != 1:
             raise ArchiveLayoutInvalid(f"expected one serialized program (models/<model>.json), found {programs}")
         document = zf.read_json(f"{root}/{programs[0]}", limits.max_json_bytes, what=programs[0])
-        return program_facts(document).graph_digest
+        return tied_graph_digest(program_facts(document).graph_digest, _declared_ties(zf, root))
+
+
+def _declared_ties(zf: SafeZip, root: str) -> tuple[tuple[str, ...], ...]:
+    """The ``ties`` of an archive's metadata, if it has metadata (a plain torch ``.pt2`` has none)."""
+    name = f"{root}/{METADATA_PATH}"
+    if name not in zf:
+        return ()
+    document = zf.read_json(name, zf.limits.max_small_json_bytes, what=METADATA_PATH)
+    try:
+        return canonical_ties(document.get("ties", []) if isinstance(document, Mapping) else [])
+    except MetadataError as exc:
+        raise MetadataInvalid(f"{METADATA_PATH}: {exc}", exc) from exc

@@ -17,6 +17,11 @@ class Blob(Base):
       digest      ``blake3:<64 hex>`` of the bytes; the storage key derives from it.
       size        length in bytes.
       created_at  when the bytes were first verified and stored.
+      linked_at   the last time anything linked it (a repo link, a session commit, a
+                  record's publish): written in that transaction, so garbage
+                  collection's conditional mark of this very row sees it.
+      collecting_since  set when garbage collection condemned it (its bytes may be
+                  going or gone): readers treat it as absent and links refuse it.
     """
 
     __tablename__ = "blobs"
@@ -24,6 +29,8 @@ class Blob(Base):
     digest: Mapped[str] = mapped_column(String(71), primary_key=True)
     size: Mapped[int] = mapped_column(BigInteger, nullable=False)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
+    linked_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
+    collecting_since: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class RepoBlob(Base):

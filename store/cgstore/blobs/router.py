@@ -9,11 +9,18 @@ from starlette.concurrency import run_in_threadpool
 from cgstore.blobs import service
 from cgstore.blobs.schemas import MissingAnswer, MissingQuery
 from cgstore.context import StoreContext, get_context
-from cgstore.core.http import declared_length, feed_body, parse_content_range, parse_range, read_json
+from cgstore.core.http import NO_BODY, declared_length, feed_body, parse_content_range, parse_range, read_json
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 
 router = APIRouter(prefix="/v1/repos/{owner}/{repo}", tags=["blobs"])
+
+_BYTES = {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+_DOWNLOAD_RESPONSES = {
+    200: {"description": "the blob's bytes", **_BYTES},
+    206: {"description": "the requested range of the blob's bytes", **_BYTES},
+    307: {"description": "redirect to a presigned storage URL (S3)"},
+}
 
 
 def _blob_headers(digest: str, size: int) -> dict[str, str]:
@@ -30,7 +37,7 @@ def _upload_headers(owner: str, repo: str, session_id: str, offset: int) -> dict
     }
 
 
-@router.head("/blobs/{digest}")
+@router.head("/blobs/{digest}", response_class=Response, responses={200: NO_BODY})
 async def head_blob(
     owner: str, repo: str, digest: str,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
@@ -39,7 +46,7 @@ async def head_blob(
     return Response(status_code=200, headers=_blob_headers(location.digest, location.size))
 
 
-@router.get("/blobs/{digest}")
+@router.get("/blobs/{digest}", response_class=Response, responses=_DOWNLOAD_RESPONSES)
 async def get_blob(
     owner: str, repo: str, digest: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
@@ -71,7 +78,7 @@ async def missing_blobs(
     return MissingAnswer(missing=missing)
 
 
-@router.put("/blobs/{digest}", status_code=201)
+@router.put("/blobs/{digest}", status_code=201, response_class=Response)
 async def put_blob(
     owner: str, repo: str, digest: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
@@ -84,7 +91,7 @@ def _created_headers(owner: str, repo: str, digest: str, size: int) -> dict[str,
     return {"Location": f"/v1/repos/{owner}/{repo}/blobs/{digest}", "ETag": f'"{digest}"', "Blob-Size": str(size)}
 
 
-@router.post("/blobs/{digest}:mount", status_code=201)
+@router.post("/blobs/{digest}:mount", status_code=201, response_class=Response)
 async def mount_blob(
     owner: str, repo: str, digest: str,
     # No length bound here: the service's name grammar bounds it and answers NAME_INVALID.
@@ -95,7 +102,7 @@ async def mount_blob(
     return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
 
 
-@router.post("/uploads", status_code=202)
+@router.post("/uploads", status_code=202, response_class=Response)
 async def open_upload(
     owner: str, repo: str,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
@@ -104,7 +111,7 @@ async def open_upload(
     return Response(status_code=202, headers=_upload_headers(owner, repo, session_id, 0))
 
 
-@router.patch("/uploads/{session_id}", status_code=202)
+@router.patch("/uploads/{session_id}", status_code=202, response_class=Response)
 async def upload_chunk(
     owner: str, repo: str, session_id: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
@@ -114,7 +121,7 @@ async def upload_chunk(
     return Response(status_code=202, headers=_upload_headers(owner, repo, session_id, offset))
 
 
-@router.get("/uploads/{session_id}", status_code=204)
+@router.get("/uploads/{session_id}", status_code=204, response_class=Response)
 async def upload_status(
     owner: str, repo: str, session_id: str,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
@@ -123,7 +130,7 @@ async def upload_status(
     return Response(status_code=204, headers=_upload_headers(owner, repo, session_id, offset))
 
 
-@router.put("/uploads/{session_id}", status_code=201)
+@router.put("/uploads/{session_id}", status_code=201, response_class=Response)
 async def commit_upload(
     owner: str, repo: str, session_id: str, request: Request,
     digest: str = Query(),  # its grammar (DIGEST_INVALID) bounds it, in the service
@@ -133,7 +140,7 @@ async def commit_upload(
     return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
 
 
-@router.delete("/uploads/{session_id}", status_code=204)
+@router.delete("/uploads/{session_id}", status_code=204, response_class=Response)
 async def cancel_upload(
     owner: str, repo: str, session_id: str,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),

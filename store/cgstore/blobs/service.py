@@ -23,11 +23,12 @@ import contextlib
 import datetime as dt
 import re
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 
 from cgstore_client.keys import is_digest
 from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
 
 from cgstore.audit.service import record
 from cgstore.blobs.models import Blob, RepoBlob, UploadSession
@@ -80,7 +81,7 @@ def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str
         size = session.scalar(
             select(Blob.size)
             .join(RepoBlob, RepoBlob.digest == Blob.digest)
-            .where(RepoBlob.repo_id == found.id, Blob.digest == digest)
+            .where(RepoBlob.repo_id == found.id, Blob.digest == digest, Blob.collecting_since.is_(None))
         )
     if size is None:
         raise BlobUnknown("blob unknown to this repo", digest=digest)
@@ -108,7 +109,13 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
         target = writable_repo(session, claims, owner, repo)
         linked = set() if target is None else set(
             session.scalars(
-                select(RepoBlob.digest).where(RepoBlob.repo_id == target.id, RepoBlob.digest.in_(set(digests)))
+                select(RepoBlob.digest)
+                .join(Blob, Blob.digest == RepoBlob.digest)
+                .where(
+                    RepoBlob.repo_id == target.id,
+                    RepoBlob.digest.in_(set(digests)),
+                    Blob.collecting_since.is_(None),
+                )
             )
         )
     return [d for d in dict.fromkeys(digests) if d not in linked]
@@ -128,7 +135,7 @@ def upload(
     validate_digest(digest)
     with ctx.db.session() as session:
         writable_repo(session, claims, owner, repo)
-        already_stored = session.get(Blob, digest) is not None
+        already_stored = _stored(session, digest)
     # The writer checks the store's limit (at once for a declared size), the size
     # (as soon as too many bytes arrive) and the digest.
     if already_stored:
@@ -144,13 +151,60 @@ def upload(
     return size
 
 
+def _stored(session: Session, digest: str) -> bool:
+    """True when the blob's bytes are stored and not condemned; 503 while GC is deleting them."""
+    found = session.get(Blob, digest)
+    if found is not None and found.collecting_since is not None:
+        raise _being_collected(digest)
+    return found is not None
+
+
+def _being_collected(digest: str) -> Unavailable:
+    return Unavailable("the blob is being garbage-collected: send it again shortly", digest=digest)
+
+
+def hold_blobs(session: Session, digests: Iterable[str]) -> set[str]:
+    """Mark ``digests`` linked now, in the caller's transaction; return those not stored.
+
+    This is the publish side of the race with garbage collection: the UPDATE
+    writes (and on PostgreSQL locks) each blob row, and GC condemns a row only
+    by a conditional UPDATE that re-reads ``linked_at``/``collecting_since`` of
+    that same row. Whichever commits first wins: either GC sees the fresh
+    ``linked_at`` and spares the blob, or the blob is already condemned and
+    the publish gets it back among the missing.
+    """
+    wanted = set(digests)
+    if not wanted:
+        return set()
+    session.execute(
+        update(Blob)
+        .where(Blob.digest.in_(wanted), Blob.collecting_since.is_(None))
+        .values(linked_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    held = set(
+        session.scalars(select(Blob.digest).where(Blob.digest.in_(wanted), Blob.collecting_since.is_(None)))
+    )
+    return wanted - held
+
+
+def _hold_or_store(session: Session, digest: str, size: int) -> None:
+    """Record verified bytes as stored, or mark the stored blob linked now (see ``hold_blobs``)."""
+    now = utcnow()
+    if insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=now, linked_at=now):
+        return
+    if hold_blobs(session, [digest]):
+        # Condemned since our check: GC may delete the very bytes just written.
+        raise _being_collected(digest)
+
+
 def _link(
     ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, size: int, action: str, **detail
 ) -> None:
     """Record a verified write: the blob, its link, the repo if this is its first write, the audit."""
     with ctx.db.session() as session:
         target = ensure_repo(session, claims, owner, repo)
-        insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=utcnow())
+        _hold_or_store(session, digest, size)
         linked = insert_ignoring_conflicts(
             session, RepoBlob, repo_id=target.id, digest=digest, linked_by=claims.sub, created_at=utcnow()
         )
@@ -295,6 +349,9 @@ def commit_session(
     if first is not None:
         yield from _append_from(first, append(ctx, claims, owner, repo, session_id, None))
     found = _find_session(ctx, claims, owner, repo, session_id)
+    with ctx.db.session() as session:
+        # 503 while GC deletes these bytes, before the commit consumes the session: the client retries it.
+        _stored(session, digest)
     staged = StagedUpload(found.id, found.offset, found.storage_state)
     try:
         size = ctx.storage.stage_commit(staged, digest)
@@ -335,17 +392,41 @@ def _forget_session(ctx: StoreContext, session_id: str) -> None:
         session.execute(delete(UploadSession).where(UploadSession.id == session_id))
 
 
-def reap_expired_sessions(ctx: StoreContext, now: dt.datetime | None = None) -> int:
-    """Reclaim expired sessions' staged bytes and orphaned writes; returns how many were reaped."""
+def expired_session_ids(ctx: StoreContext, now: dt.datetime | None = None, limit: int = 1000) -> list[str]:
+    """Sessions past their expiry, oldest expiry first (what the reaper takes next)."""
+    with ctx.db.session() as session:
+        return list(
+            session.scalars(
+                select(UploadSession.id)
+                .where(UploadSession.expires_at <= (now or utcnow()))
+                .order_by(UploadSession.expires_at)
+                .limit(limit)
+            )
+        )
+
+
+def reap_expired_sessions(
+    ctx: StoreContext,
+    now: dt.datetime | None = None,
+    heartbeat: Callable[[], None] = lambda: None,
+    orphan_age_s: float | None = None,
+) -> int:
+    """Reclaim expired sessions' staged bytes and orphaned writes; returns how many were reaped.
+
+    ``heartbeat`` runs between sessions: the periodic task renews its lease there.
+    Orphaned writes count as such after ``orphan_age_s`` (default: the session TTL).
+    """
     now = now or utcnow()
     with ctx.db.session() as session:
         expired = list(session.scalars(select(UploadSession).where(UploadSession.expires_at <= now).limit(1000)))
     for found in expired:
+        heartbeat()
         ctx.storage.stage_abort(StagedUpload(found.id, found.offset, found.storage_state))
         _forget_session(ctx, found.id)
     # Writes of a process that died mid-upload have no session row; a write idle
     # for as long as a session may be is abandoned too.
-    orphans = ctx.storage.sweep_orphans(older_than_s=ctx.settings.upload_session_ttl_s)
+    age_s = ctx.settings.upload_session_ttl_s if orphan_age_s is None else orphan_age_s
+    orphans = ctx.storage.sweep_orphans(older_than_s=age_s)
     return len(expired) + orphans
 
 

@@ -88,7 +88,8 @@ class CompiledGraph(Base):
     toolchain: Mapped[dict] = mapped_column(JSON, nullable=False)
     toolchain_digest: Mapped[str] = mapped_column(String(71), nullable=False)
     recorded_versions: Mapped[dict] = mapped_column(JSON, nullable=False)
-    artifact_digest: Mapped[str] = mapped_column(String(71), ForeignKey("blobs.digest"), nullable=False)
+    # Indexed for garbage collection, which asks per blob whether any record names it.
+    artifact_digest: Mapped[str] = mapped_column(String(71), ForeignKey("blobs.digest"), nullable=False, index=True)
     artifact_size: Mapped[int] = mapped_column(BigInteger, nullable=False)
     component_set: Mapped[str] = mapped_column(String(71), nullable=False)
     layout_display: Mapped[str | None] = mapped_column(String(200), nullable=True)

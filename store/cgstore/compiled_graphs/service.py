@@ -19,6 +19,7 @@ miss identically for an absent, yanked, unhealthy or unreadable key.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -42,12 +43,13 @@ from cgstore_client.wire.records import (
     Yank,
 )
 from pydantic_core import to_json
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, delete, exists, or_, select, update
 from sqlalchemy.orm import Session
 
 from cgstore import access
 from cgstore.audit.service import record as audit
 from cgstore.blobs.models import Blob, RepoBlob
+from cgstore.blobs.service import hold_blobs
 from cgstore.compiled_graphs import admission
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
@@ -130,7 +132,7 @@ def _linked_sizes(session: Session, target: Repo | None, manifest: Manifest) -> 
             session.execute(
                 select(Blob.digest, Blob.size)
                 .join(RepoBlob, RepoBlob.digest == Blob.digest)
-                .where(RepoBlob.repo_id == target.id, Blob.digest.in_(list(wanted)))
+                .where(RepoBlob.repo_id == target.id, Blob.digest.in_(list(wanted)), Blob.collecting_since.is_(None))
             ).all()
         )
     missing = [d for d in wanted if d not in linked]
@@ -217,6 +219,11 @@ def _try_insert(
         record_id = session.execute(_insert_ignoring_live_conflict(session).values(**values).returning(
             CompiledGraph.id)).scalar()
         if record_id is not None:
+            # In this transaction, so that GC either sees the record's blobs linked now or
+            # had condemned them first: then the publish is refused and the insert rolled back.
+            condemned = hold_blobs(session, [row.artifact_digest, *(c.digest for c in manifest.components)])
+            if condemned:
+                raise BlobReferenceUnknown("the manifest names blobs being garbage-collected", missing=sorted(condemned))
             session.add_all(
                 CompiledGraphComponent(record_id=record_id, name=c.name, digest=c.digest, size=c.size)
                 for c in manifest.components
@@ -506,3 +513,36 @@ def _answer(key: str, row, components: dict[int, list[tuple[str, str, int]]], ur
     }
 
 
+# -- garbage collection's view of records -----------------------------------------------------
+
+
+def blob_kept_by_records(cutoff: dt.datetime) -> ColumnElement[bool]:
+    """GC keeper (``operations.gc.KEEPERS``): a live record, or one yanked since ``cutoff``, names the blob."""
+    counts = or_(CompiledGraph.yanked_at.is_(None), CompiledGraph.yanked_at >= cutoff)
+    as_artifact = exists().where(CompiledGraph.artifact_digest == Blob.digest, counts)
+    as_component = exists().where(
+        CompiledGraphComponent.digest == Blob.digest, CompiledGraphComponent.record_id == CompiledGraph.id, counts
+    )
+    return or_(as_artifact, as_component)
+
+
+def forget_yanked_records(session: Session, digests: list[str]) -> int:
+    """Before GC deletes blob rows: the long-yanked records naming them go too; returns how many.
+
+    Only yanked records can name a condemned blob (a live one keeps it), and the
+    audit log keeps their history. A live record here would make the blob
+    delete fail on its foreign key, loudly, rather than lose a record's bytes.
+    """
+    named = select(CompiledGraphComponent.record_id).where(CompiledGraphComponent.digest.in_(digests))
+    ids = list(
+        session.scalars(
+            select(CompiledGraph.id).where(
+                CompiledGraph.yanked_at.is_not(None),
+                or_(CompiledGraph.artifact_digest.in_(digests), CompiledGraph.id.in_(named)),
+            )
+        )
+    )
+    if ids:
+        session.execute(delete(CompiledGraphComponent).where(CompiledGraphComponent.record_id.in_(ids)))
+        session.execute(delete(CompiledGraph).where(CompiledGraph.id.in_(ids)))
+    return len(ids)

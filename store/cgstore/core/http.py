@@ -52,6 +52,36 @@ DenialHook = Callable[[Request, StoreError], Awaitable[None]]
 
 _HTTP_CODES = {404: "NAME_UNKNOWN", 405: "UNSUPPORTED", 413: "TOO_LARGE"}
 
+# The error body every refusal carries, documented once for the served OpenAPI schema.
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message", "detail"],
+            "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "detail": {"type": "object"}},
+        }
+    },
+}
+#: ``FastAPI(responses=...)``: the statuses any route may refuse with, each with the error body.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"description": description, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    for status, description in (
+        (400, "malformed request (NAME_INVALID, DIGEST_INVALID, SIZE_INVALID, BAD_REQUEST, …)"),
+        (401, "no token (UNAUTHORIZED) or a bad one (TOKEN_INVALID)"),
+        (403, "the token does not allow it (DENIED, ROOT_RESERVED)"),
+        (404, "absent, or not readable by the caller (BLOB_UNKNOWN, BLOB_UPLOAD_UNKNOWN, NAME_UNKNOWN)"),
+        (405, "method not allowed (UNSUPPORTED)"),
+        (409, "conflicts with what is stored (CONFLICT)"),
+        (413, "over a limit (TOO_LARGE)"),
+        (416, "range or offset not satisfiable (RANGE_INVALID)"),
+        (503, "a dependency is down (UNAVAILABLE); retry after Retry-After seconds"),
+    )
+}
+#: An answer whose meaning is its status and headers (no body), for ``responses=``.
+NO_BODY = {"description": "no body: the status and headers are the answer"}
+
 
 def error_response(err: StoreError) -> JSONResponse:
     return JSONResponse(error_body(err), status_code=err.status, headers=err.headers())

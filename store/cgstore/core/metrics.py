@@ -1,4 +1,5 @@
-"""Prometheus metrics: requests, bytes, upload sessions, publish outcomes, resolve hits and misses.
+"""Prometheus metrics: requests, bytes, upload sessions, publish outcomes, resolve hits and misses,
+background tasks and GC.
 
 Collected by a pure ASGI middleware (it never buffers a streamed body) into a
 registry owned by the app, so several apps in one process don't collide.
@@ -36,6 +37,18 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.background_rounds = Counter(
+            "cgstore_background_rounds_total",
+            "Rounds of background tasks: ran here, skipped (another replica holds the lease), failed.",
+            ["task", "outcome"],
+            registry=self.registry,
+        )
+        self.gc_blobs_deleted = Counter(
+            "cgstore_gc_blobs_deleted_total", "Blobs garbage collection deleted.", registry=self.registry
+        )
+        self.gc_bytes_deleted = Counter(
+            "cgstore_gc_bytes_deleted_total", "Bytes of the blobs garbage collection deleted.", registry=self.registry
+        )
         self.publishes = Counter(
             "cgstore_publish_total",
             "Compiled-graph publishes by outcome (created, exists, conflict, refused) and protocol code.",

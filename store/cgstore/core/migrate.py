@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from alembic import command
@@ -10,12 +11,21 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine
+from sqlalchemy.exc import OperationalError
+
+#: Read here rather than in Settings: Alembic needs it before any setting is parsed.
+MIGRATIONS_DIR_ENV = "CGSTORE_MIGRATIONS_DIR"
+#: First and largest pause between connection attempts of ``wait_for_database``.
+FIRST_RETRY_PAUSE_S = 0.5
+MAX_RETRY_PAUSE_S = 5.0
+#: A host that drops packets must not stall one attempt past the whole wait.
+CONNECT_TIMEOUT_S = 5
 
 from cgstore.core.db import prepare_sqlite_file
 
 
 def migrations_dir() -> Path:
-    override = os.environ.get("CGSTORE_MIGRATIONS_DIR")
+    override = os.environ.get(MIGRATIONS_DIR_ENV)
     if override:
         return Path(override)
     # store/cgstore/core/migrate.py -> the repository root holds migrations/.
@@ -28,6 +38,33 @@ def alembic_config(url: str) -> Config:
     # ConfigParser interpolation would eat '%' in passwords.
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return config
+
+
+def wait_for_database(url: str, wait_s: float) -> None:
+    """Connect to ``url`` until it answers, for at most ``wait_s`` seconds (then re-raise).
+
+    A one-shot migration started next to a database that is still initialising
+    (docker-compose's first ``up``) must not fail on the first refused connection.
+    A SQLite file has nothing to wait for.
+    """
+    if wait_s <= 0 or url.startswith("sqlite"):
+        return
+    deadline = time.monotonic() + wait_s
+    pause = FIRST_RETRY_PAUSE_S
+    engine = create_engine(url, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+    try:
+        while True:
+            try:
+                with engine.connect() as conn:
+                    conn.exec_driver_sql("SELECT 1")
+                return
+            except OperationalError:
+                if time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, MAX_RETRY_PAUSE_S)
+    finally:
+        engine.dispose()
 
 
 def upgrade(url: str, revision: str = "head") -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
@@ -18,7 +19,7 @@ async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={503: {"description": "not ready: the failing checks say which"}})
 async def readyz(response: Response, ctx: StoreContext = Depends(get_context)) -> dict:
     checks = await run_in_threadpool(service.readiness, ctx)
     ready = all(check == "ok" for check in checks.values())
@@ -30,7 +31,7 @@ async def readyz(response: Response, ctx: StoreContext = Depends(get_context)) -
     return {"status": "ok" if ready else "unavailable", "checks": checks}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(ctx: StoreContext = Depends(get_context)) -> Response:
     payload = await run_in_threadpool(generate_latest, ctx.metrics.registry)
     return Response(payload, media_type=CONTENT_TYPE_LATEST)

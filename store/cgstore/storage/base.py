@@ -155,6 +155,11 @@ class Storage(ObjectStore):
         """Remove a blob (garbage collection). Absent is not an error."""
         self.delete_key(blob_key(parse_digest(digest)))
 
+    def delete_many(self, digests: list[str]) -> None:
+        """Remove several blobs (garbage collection batches). Absent ones are not an error."""
+        for digest in digests:
+            self.delete(digest)
+
     # -- staged uploads (resumable sessions) -------------------------------
     @abc.abstractmethod
     def stage_begin(self, session_id: str) -> StagedUpload:

@@ -145,6 +145,7 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 MIN_PART_BYTES = 5 * MiB  # S3's floor for every part but the last
 MAX_PARTS = 10_000  # S3's ceiling on parts per multipart upload
+DELETE_BATCH_KEYS = 1000  # S3's ceiling on keys per DeleteObjects request
 # Assembling a multi-GiB object can take minutes (moto: 7-11 s per GiB); a
 # complete cut short by the read timeout would be retried after it succeeded.
 COMPLETE_READ_TIMEOUT_S = 300.0
@@ -397,6 +398,16 @@ class S3Storage(Storage):
     def delete_key(self, key: str) -> None:
         with _s3_errors("delete"):
             self.client.delete_object(Bucket=self.bucket, Key=self.key(key))
+
+    def delete_many(self, digests: list[str]) -> None:
+        # One request per 1000 keys (delete_objects' limit); S3 reports no error
+        # for a key that is already gone, which is what a retried batch needs.
+        for start in range(0, len(digests), DELETE_BATCH_KEYS):
+            keys = [{"Key": self.blob_key(d)} for d in digests[start : start + DELETE_BATCH_KEYS]]
+            with _s3_errors("delete_objects"):
+                response = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+            if response.get("Errors"):
+                raise Unavailable("could not delete blobs", errors=response["Errors"][:5])
 
     # -- staged uploads -------------------------------------------------------------------
     def stage_begin(self, session_id: str) -> StagedUpload:

@@ -1,0 +1,567 @@
+"""``Client``: the worker's and the mint child's face of the store.
+
+Configuration comes from the arguments or the environment: ``CGSTORE_URL``,
+``CGSTORE_TOKEN`` (or ``CGSTORE_TOKEN_FILE``), ``CGSTORE_CACHE_DIR`` (default
+``~/.cache/cgstore``) and ``CGSTORE_OFFLINE``. In offline mode no socket is ever
+opened: the transport is created on first network use, and offline it never is.
+
+Blob primitives live here: :meth:`Client.fetch_blob` (verified download into the
+cache, through which every other download goes) and :meth:`Client.push_blobs`
+(batch missing check, then monolithic or resumable chunked uploads). On top of
+them: :meth:`Client.load` (a worker's boot: one resolve, verified downloads,
+``Loaded`` or ``Eager`` per want) and :meth:`Client.publish` (a mint child's
+idempotent publish of an archive and its components).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from cgstore_client import boot
+from cgstore_client.archive import inspect
+from cgstore_client.boot import Eager, Loaded, Want
+from cgstore_client.cache import Cache, hash_file
+from cgstore_client.errors import (
+    CgstoreError,
+    CompiledRequired,
+    IntegrityError,
+    NotFound,
+    Offline,
+    Refused,
+    Unavailable,
+)
+from cgstore_client.http import Retry, Stream, Transport, file_chunks, open_stream
+from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
+from cgstore_client.lanes import DEFAULT_LANE, resolve_lane
+from cgstore_client.receipts import ReceiptInvalid, ReceiptVerifier, verify_jws_receipt
+from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
+
+DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
+READ_BYTES = 1 << 20
+#: Blobs at least this large go through a resumable upload session rather than one PUT.
+CHUNKED_THRESHOLD = 64 << 20
+CHUNK_BYTES = 32 << 20
+#: Bound on blobs moving at once (uploads in a publish, downloads in a load).
+PARALLEL_TRANSFERS = 4
+MAX_MISSING_BATCH = 1024
+#: The component name under which ``publish`` uploads the mint's derived constants.
+DERIVED_COMPONENT = "derived-constants"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+Progress = Callable[[int], None]
+
+
+class ConfigError(CgstoreError, ValueError):
+    """The client's configuration is unusable (e.g. an unreadable token file)."""
+
+
+def split_repo(repo: str) -> tuple[str, str]:
+    owner, sep, name = repo.partition("/")
+    if not sep or not owner or not name or "/" in name:
+        raise ConfigError(f"a repo is 'owner/name', not {repo!r}")
+    return owner, name
+
+
+def _token_from_env() -> str | None:
+    if token := os.environ.get("CGSTORE_TOKEN"):
+        return token.strip()
+    if path := os.environ.get("CGSTORE_TOKEN_FILE"):
+        try:
+            return Path(path).read_text().strip()
+        except OSError as err:
+            raise ConfigError(f"CGSTORE_TOKEN_FILE {path!r} is unreadable: {err}") from err
+    return None
+
+
+class Client:
+    """The store, from a worker's or a mint child's side. Use as a context manager or call :meth:`close`."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        offline: bool | None = None,
+        retry: Retry | None = None,
+        receipt_verifier: ReceiptVerifier = verify_jws_receipt,
+        chunked_threshold: int | None = None,
+    ) -> None:
+        self.url = (url or os.environ.get("CGSTORE_URL") or DEFAULT_URL).rstrip("/")
+        self.token = token if token is not None else _token_from_env()
+        self.offline = offline if offline is not None else os.environ.get("CGSTORE_OFFLINE", "").lower() in _TRUE
+        self.cache = Cache(cache_dir)
+        self.cache.ensure()
+        self.retry = retry or Retry()
+        self.receipt_verifier = receipt_verifier
+        self.chunked_threshold = CHUNKED_THRESHOLD if chunked_threshold is None else chunked_threshold
+        self._transport: Transport | None = None
+        self._jwks: dict | None = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    @property
+    def transport(self) -> Transport:
+        """The API transport, created on first use; never in offline mode."""
+        if self.offline:
+            raise Offline("offline mode: the store is not contacted")
+        if self._transport is None:
+            self._transport = Transport(self.url, self.token, retry=self.retry)
+        return self._transport
+
+    # --- download ----------------------------------------------------------------------
+
+    def fetch_blob(self, repo: str, digest: str, size: int | None = None, *, progress: Progress | None = None) -> Path:
+        """The verified local path of ``repo``'s blob ``digest``, downloading it if the cache lacks it."""
+        owner, name = split_repo(repo)
+        validate_digest(digest)
+        if cached := self.cache.verified(digest, size):
+            return cached
+        if self.offline:
+            raise Offline(f"offline mode and {digest} is not in the cache")
+        with self.cache.lock(digest):
+            # Another process may have finished it while we waited for the lock.
+            if cached := self.cache.verified(digest, size):
+                return cached
+            self.cache.sweep_temps()
+            if size is not None:
+                self.cache.require_space(size)
+            url = f"{self.url}/v1/repos/{owner}/{name}/blobs/{digest}"
+            return self._download(url, digest, size, progress)
+
+    def _download(self, url: str, digest: str, size: int | None, progress: Progress | None) -> Path:
+        temp = self.cache.temp_file(digest)
+        try:
+            with open(temp, "wb") as out:
+                actual, got = _Download(url, self.token, size, out, self.retry, progress, self.cache).run()
+                out.flush()
+                os.fsync(out.fileno())
+            if actual != digest or (size is not None and got != size):
+                raise IntegrityError(f"downloaded {got} bytes hashing to {actual}, expected {digest} ({size} bytes)")
+            return self.cache.commit(temp, digest)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+
+    # --- upload ------------------------------------------------------------------------
+
+    def missing(self, repo: str, digests: Iterable[str]) -> list[str]:
+        """The digests ``repo`` does not hold yet (one call per 1024)."""
+        owner, name = split_repo(repo)
+        wanted = list(dict.fromkeys(digests))
+        missing: list[str] = []
+        for i in range(0, len(wanted), MAX_MISSING_BATCH):
+            batch = wanted[i : i + MAX_MISSING_BATCH]
+            answer = self.transport.request("POST", f"/v1/repos/{owner}/{name}/blobs:missing", json={"digests": batch})
+            missing += answer.json()["missing"]
+        return missing
+
+    def push_blobs(self, repo: str, paths: Iterable[str | os.PathLike[str]]) -> dict[str, tuple[str, int]]:
+        """Upload the files ``repo`` lacks (batch check first, bounded parallel); returns path → (digest, size)."""
+        hashed = {str(p): hash_file(p) for p in paths}
+        lacking = set(self.missing(repo, [d for d, _ in hashed.values()]))
+        todo = {d: (p, s) for p, (d, s) in hashed.items() if d in lacking}
+        with ThreadPoolExecutor(PARALLEL_TRANSFERS) as pool:
+            for future in [pool.submit(self.upload_blob, repo, p, digest=d, size=s) for d, (p, s) in todo.items()]:
+                future.result()
+        return hashed
+
+    def upload_blob(self, repo: str, path: str | os.PathLike[str], *, digest: str | None = None, size: int | None = None) -> str:
+        """Upload one file as a blob of ``repo``; resumable from ``chunked_threshold`` bytes. Returns its digest."""
+        owner, name = split_repo(repo)
+        if digest is None or size is None:
+            digest, size = hash_file(path)
+        path = str(path)
+        if size < self.chunked_threshold:
+            self.transport.request(
+                "PUT",
+                f"/v1/repos/{owner}/{name}/blobs/{digest}",
+                headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
+                body=lambda: file_chunks(path, 0, size),
+            )
+        else:
+            self._upload_session(owner, name, path, digest, size)
+        return digest
+
+    def _upload_session(self, owner: str, name: str, path: str, digest: str, size: int) -> None:
+        opened = self.transport.request("POST", f"/v1/repos/{owner}/{name}/uploads")
+        location = opened.headers["Location"]
+        offset, failures = 0, 0
+        while offset < size:
+            end = min(offset + CHUNK_BYTES, size)
+            try:
+                offset = self._send_chunk(location, path, offset, end)
+                failures = 0
+            except Unavailable as err:
+                failures += 1
+                if failures >= self.retry.attempts:
+                    raise
+                time.sleep(self.retry.delay(failures, err.retry_after_s))
+                offset = self._session_offset(location)  # what the store kept of the lost chunk
+            except Refused as err:
+                if err.code != "RANGE_INVALID":
+                    raise
+                offset = self._session_offset(location)
+        self._commit_session(owner, name, location, digest)
+
+    def _send_chunk(self, location: str, path: str, start: int, end: int) -> int:
+        answer = self.transport.request(
+            "PATCH",
+            location,
+            headers={"Content-Range": f"{start}-{end - 1}", "Content-Length": str(end - start),
+                     "Content-Type": "application/octet-stream"},
+            body=lambda: file_chunks(path, start, end),
+            retry=False,  # a lost chunk is resumed from the store's offset, not re-sent blindly
+        )
+        return int(answer.headers["Upload-Offset"])
+
+    def _session_offset(self, location: str) -> int:
+        return int(self.transport.request("GET", location).headers["Upload-Offset"])
+
+    def _commit_session(self, owner: str, name: str, location: str, digest: str) -> None:
+        try:
+            self.transport.request("PUT", location, params={"digest": digest}, headers={"Content-Length": "0"})
+        except NotFound:
+            # A commit whose answer was lost consumed the session; the blob is there if it landed.
+            if not self.has_blob(f"{owner}/{name}", digest):
+                raise
+
+    def has_blob(self, repo: str, digest: str) -> bool:
+        owner, name = split_repo(repo)
+        try:
+            self.transport.request("HEAD", f"/v1/repos/{owner}/{name}/blobs/{digest}")
+        except NotFound:
+            return False
+        return True
+
+    # --- mint side -----------------------------------------------------------------------
+
+    def preflight(self, repo: str, min_ttl_s: int = 300) -> None:
+        """Raise (``Unauthorized``/``Denied``) unless this token could publish to ``repo`` now and for ``min_ttl_s``."""
+        owner, name = split_repo(repo)
+        self.transport.request("POST", f"/v1/repos/{owner}/{name}/preflight", params={"min_ttl_s": min_ttl_s})
+
+
+    # --- boot --------------------------------------------------------------------------
+
+    def resolve(self, family: str, keys: list[str]) -> list[dict[str, Any]]:
+        """The store's answer for each key, in order: a hit entry, or ``{"key", "status": "miss"}``."""
+        query = ResolveRequest(family=family, keys=keys).model_dump(mode="json")
+        body = self.transport.request("POST", "/v1/compiled-graphs:resolve", json=query)
+        answers = [_entry(answer) for answer in _answers(body.content)]
+        if [a["key"] for a in answers] != list(keys):
+            raise Refused("the resolve answer does not answer the keys asked, in order")
+        return answers
+
+    def load(
+        self, family: str, wants: Iterable[Want | str], *, device_total_bytes: int | None = None
+    ) -> list[Loaded | Eager]:
+        """Boot: one resolve, verified parallel downloads; ``Loaded`` or ``Eager`` per want, in order.
+
+        Raises :class:`CompiledRequired` (before any GPU work) when a mandatory want
+        cannot be served compiled. Offline, answers from the cache alone.
+        """
+        wants = [w if isinstance(w, Want) else Want(w) for w in wants]
+        entries = self._entries(family, [w.key for w in wants])
+        trusted = {key: self._trusted(entry) for key, entry in entries.items()}
+        fetched = self._fetch_all([e for e in trusted.values() if isinstance(e, dict)])
+        results = [self._serve(w.key, trusted[w.key], fetched, device_total_bytes) for w in wants]
+        refused = {w.key: r.reason for w, r in zip(wants, results) if w.mandatory and isinstance(r, Eager)}
+        if refused:
+            raise CompiledRequired(refused)
+        return results
+
+    def _entries(self, family: str, keys: list[str]) -> dict[str, dict[str, Any] | str]:
+        """key -> hit entry, or why there is none. Offline (or with the store down) from the cache."""
+        if self.offline:
+            return {k: self.cache.read_record(k) or f"{boot.OFFLINE_NOT_CACHED}: offline mode, no socket opened"
+                    for k in keys}
+        try:
+            answers = self.resolve(family, keys)
+        except Unavailable as err:
+            return {k: self.cache.read_record(k) or f"{boot.UNAVAILABLE}: {err}" for k in keys}
+        return {a["key"]: self._with_cached_record(a) if a.get("status") == "hit" else boot.MISS for a in answers}
+
+    def _with_cached_record(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """Reuse the cached full record when it is the one resolved (records are write-once): no GET on a warm boot."""
+        cached = self.cache.read_record(entry["key"]) or {}
+        same = all(cached.get(field) == entry[field] for field in ("repo", "artifact", "components"))
+        return {**entry, "record": cached["record"]} if same and "record" in cached else entry
+
+    def _trusted(self, entry: dict[str, Any] | str) -> dict[str, Any] | str:
+        """The entry if its receipt verifies (or it carries none), else why it is not trusted."""
+        if isinstance(entry, str):
+            return entry
+        receipt = entry.get("receipt")
+        if receipt is None:
+            return entry  # records the store does not sign yet: integrity still rests on the digests
+        try:
+            self.receipt_verifier(entry, receipt, self.keys())
+        except ReceiptInvalid as err:
+            return f"{boot.RECEIPT_INVALID}: {err}"
+        return entry
+
+    def keys(self) -> dict[str, Any]:
+        """The store's public keys (JWKS), fetched once and kept in the cache for offline verification."""
+        if self._jwks is None:
+            cached = self.cache.root / "keys.json"
+            if self.offline:
+                self._jwks = self.cache.read_json(cached) or {"keys": []}
+            else:
+                self._jwks = self.transport.request("GET", "/v1/keys").json()
+                self.cache.write_json(cached, self._jwks)
+        return self._jwks
+
+    def _fetch_all(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """Every blob (digest -> path) and every full record not cached yet (key -> record), in parallel.
+
+        A failed task maps to its error. The pool is bounded; blobs shared by
+        several entries are fetched once.
+        """
+        tasks: dict[str, Callable[[], Any]] = {}
+        for entry in entries:
+            for blob in [entry["artifact"], *entry["components"]]:
+                tasks[blob["digest"]] = lambda e=entry, b=blob: self.fetch_blob(e["repo"], b["digest"], b.get("size"))
+            if "record" not in entry:
+                tasks[entry["key"]] = lambda e=entry: _record(self.transport.request("GET", e["facts"]["href"]).content)
+
+        def run(name: str) -> Any:
+            try:
+                return tasks[name]()
+            except (IntegrityError, Offline, NotFound, Unavailable) as err:
+                return err
+
+        with ThreadPoolExecutor(PARALLEL_TRANSFERS) as pool:
+            return dict(zip(tasks, pool.map(run, tasks)))
+
+    def _serve(self, key: str, entry, fetched: dict[str, Any], device_total_bytes: int | None) -> Loaded | Eager:
+        if isinstance(entry, str):
+            return Eager(key, entry)
+        record = entry.get("record", fetched.get(key))
+        artifact = fetched[entry["artifact"]["digest"]]
+        components = {c["name"]: fetched[c["digest"]] for c in entry["components"]}
+        failed = [p for p in (record, artifact, *components.values()) if isinstance(p, CgstoreError)]
+        if failed:
+            return Eager(key, _eager_reason(failed[0]))
+        entry = {**entry, "record": record}
+        self.cache.write_record(key, entry)
+        lane = resolve_lane(inspect(artifact).metadata, device_total_bytes) if device_total_bytes is not None else None
+        return Loaded(
+            key=key,
+            artifact_path=artifact,
+            component_paths=components,
+            record=record,
+            repo=entry["repo"],
+            lane=lane.lane if lane else None,
+            lane_reason=lane.reason if lane else None,
+            receipt=entry.get("receipt"),
+        )
+
+    # --- publish -----------------------------------------------------------------------
+
+    def publish(
+        self,
+        repo: str,
+        archive_path: str | os.PathLike[str],
+        *,
+        family: str,
+        envelope: Envelope | Mapping[str, object],
+        toolchain: Toolchain | Mapping[str, str],
+        sm: str,
+        lane: str | None = None,
+        components: Mapping[str, str | os.PathLike[str]] | None = None,
+        layout: Mapping[str, Any] | None = None,
+        evidence: Mapping[str, Any] | None = None,
+    ) -> Published:
+        """Publish an archive (and its components) under its derived key; safe to call again after any failure.
+
+        The archive is read locally with the store's own reader; only blobs the
+        repo lacks are uploaded. ``components=None`` publishes the mint's derived
+        constants (``model.constants.safetensors`` beside the archive) when present.
+        A key already holding other bytes raises :class:`Conflict` naming both digests.
+        """
+        owner, name = split_repo(repo)
+        report = inspect(archive_path)
+        envelope = envelope if isinstance(envelope, Envelope) else Envelope.from_dict(envelope)
+        toolchain = toolchain if isinstance(toolchain, Toolchain) else Toolchain(toolchain)
+        key = ck1(report.graph_digest, envelope, sm, toolchain)
+        named = _components(archive_path, components)
+        hashed = self.push_blobs(repo, [archive_path, *named.values()])
+        lane = lane or (report.metadata.kernel_lane.winner if report.metadata.kernel_lane else DEFAULT_LANE)
+        manifest = _manifest(report, family, envelope, toolchain, sm, lane, layout, evidence)
+        digest, size = hashed[str(archive_path)]
+        manifest["artifact"] = {"digest": digest, "size": size}
+        manifest["components"] = [
+            {"name": n, "digest": hashed[str(p)][0], "size": hashed[str(p)][1]} for n, p in sorted(named.items())
+        ]
+        body = Manifest.model_validate(manifest).model_dump(mode="json", exclude_none=True)
+        answer = _parsed(PublishAnswer, self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}",
+                                                               json=body).content)
+        return Published(answer.key, answer.status, answer.receipt)
+
+
+@dataclass(frozen=True)
+class Published:
+    """A publish's outcome: the key, ``created`` or ``exists`` (an idempotent re-publish), the store's receipt."""
+
+    key: str
+    status: str
+    receipt: object = None
+
+
+def _components(archive_path, components) -> dict[str, str]:
+    if components is not None:
+        return {name: str(path) for name, path in components.items()}
+    from cgstore_client.mint import derived_constants_path  # torch-free: the mint imports torch lazily
+
+    derived = derived_constants_path(archive_path)
+    return {DERIVED_COMPONENT: derived} if os.path.exists(derived) else {}
+
+
+def _manifest(report, family, envelope: Envelope, toolchain: Toolchain, sm, lane, layout, evidence) -> dict[str, Any]:
+    manifest: dict[str, Any] = {
+        "kind": report.kind,
+        "format": report.format,
+        "family": family,
+        "lane": lane,
+        "axes": {
+            "graph": report.graph_digest,
+            "envelope": envelope.document,
+            "sm": sm,
+            "toolchain": {"components": dict(toolchain.components), "recorded": dict(toolchain.recorded)},
+        },
+    }
+    for field_name, value in (("layout", layout), ("evidence", evidence)):
+        if value is not None:
+            manifest[field_name] = dict(value)
+    return manifest
+
+
+def _eager_reason(error: CgstoreError) -> str:
+    if isinstance(error, Offline):
+        return f"{boot.OFFLINE_NOT_CACHED}: {error}"
+    if isinstance(error, IntegrityError):
+        return f"{boot.INTEGRITY}: {error}"
+    if isinstance(error, NotFound):
+        return f"{boot.MISS}: {error}"  # yanked or gone between the resolve and the download
+    return f"{boot.UNAVAILABLE}: {error}"
+
+
+def _parsed(model, content: bytes):
+    """An answer body parsed with its wire type; a body that breaks the protocol is a typed refusal."""
+    try:
+        return model.model_validate_json(content)
+    except ValueError as err:  # pydantic's ValidationError is a ValueError
+        raise Refused(f"the store's answer is not a {model.__name__}: {err}") from None
+
+
+def _answers(content: bytes) -> list[ResolveHit | Any]:
+    """The per-key answers of a resolve body (``wire.records.ResolveAnswer``)."""
+    return _parsed(ResolveAnswer, content).answers
+
+
+def _record(content: bytes) -> dict[str, Any]:
+    """A full record (``wire.records.Record``), as the JSON document the cache keeps."""
+    return _parsed(Record, content).model_dump(mode="json")
+
+
+def _entry(answer) -> dict[str, Any]:
+    """A resolve answer as the cache keeps it: key, repo, the record's facts, blobs (without URLs), receipt.
+
+    The full record (manifest, input contract, binding table) is fetched beside
+    the blobs and added as ``record`` before the entry is cached.
+    """
+    if not isinstance(answer, ResolveHit):
+        return {"key": answer.key, "status": "miss"}
+    entry = {
+        "key": answer.key,
+        "status": "hit",
+        "repo": answer.repo,
+        "facts": answer.record.model_dump(mode="json"),
+        "artifact": {"digest": answer.artifact.digest, "size": answer.artifact.size},
+        "components": [{"name": c.name, "digest": c.digest, "size": c.size} for c in answer.components],
+    }
+    receipt = getattr(answer, "receipt", None)  # when the store signs its answers
+    if receipt is not None:
+        entry["receipt"] = receipt
+    return entry
+
+
+class _Download:
+    """One verified download: resumes with ``Range`` after a dropped connection, restarts on a 200."""
+
+    def __init__(self, url, token, size, out, retry: Retry, progress: Progress | None, cache: Cache) -> None:
+        self.url, self.token, self.size, self.out = url, token, size, out
+        self.retry, self.progress, self.cache = retry, progress, cache
+        self.hasher = blake3.blake3()
+        self.have = 0
+        self.buffer = memoryview(bytearray(READ_BYTES))
+
+    def run(self) -> tuple[str, int]:
+        failures = 0
+        while True:
+            before = self.have
+            try:
+                self._attempt()
+                return "blake3:" + self.hasher.hexdigest(), self.have
+            except Unavailable as err:
+                # Attempts count only failures without progress: a flaky link that keeps
+                # delivering bytes is followed to the end, a dead one is given up on.
+                failures = 1 if self.have > before else failures + 1
+                if failures >= self.retry.attempts:
+                    raise
+                time.sleep(self.retry.delay(failures, err.retry_after_s))
+
+    def _attempt(self) -> None:
+        stream = open_stream(self.url, self.token, start=self.have)
+        try:
+            self._check_span(stream)
+            self._copy(stream)
+            stream.finish()
+        finally:
+            stream.close()
+
+    def _check_span(self, stream: Stream) -> None:
+        if stream.start != self.have:
+            if stream.start != 0:
+                raise Refused(f"asked for bytes from {self.have}, got a range from {stream.start}")
+            self._restart()  # a 200 to a ranged request: the whole body again, from scratch
+        if stream.total is not None:
+            if self.size is not None and stream.total != self.size:
+                raise IntegrityError(f"the store serves {stream.total} bytes, expected {self.size}")
+            if self.have == 0:
+                self.cache.require_space(stream.total)
+
+    def _restart(self) -> None:
+        self.out.seek(0)
+        self.out.truncate()
+        self.hasher = blake3.blake3()
+        self.have = 0
+
+    def _copy(self, stream: Stream) -> None:
+        while n := stream.readinto(self.buffer):
+            chunk = self.buffer[:n]
+            self.hasher.update(chunk)
+            self.out.write(chunk)
+            self.have += n
+            if self.size is not None and self.have > self.size:
+                raise IntegrityError(f"more than the expected {self.size} bytes")
+            if self.progress is not None:
+                self.progress(n)

@@ -1,0 +1,50 @@
+"""Fixtures of the operations tests: replicas of one registry (one PostgreSQL, one bucket)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import pytest
+
+from cgstore.settings import Settings
+from tests.support.live_store import LiveStore, running_store
+from tests.support.services import use_test_aws_credentials
+
+
+@pytest.fixture
+def replica_settings(pg_url, s3_server, tmp_path) -> Callable[..., Settings]:
+    """Settings for one more replica of a registry: shared database, bucket and signing key.
+
+    Each replica has its own home (nothing else is shared), as on separate hosts.
+    """
+    use_test_aws_credentials()
+    bucket = s3_server.create_bucket()
+    key = tmp_path / "shared-signing-key.pem"
+    counter = iter(range(1000))
+
+    def make(**overrides) -> Settings:
+        overrides.setdefault("reaper_interval_s", 3600)
+        return Settings(
+            home=tmp_path / f"replica-{next(counter)}",
+            database_url=pg_url,
+            storage_url=s3_server.storage_url(bucket),
+            token_signing_key=key,
+            **overrides,
+        )
+
+    make.bucket = bucket
+    return make
+
+
+@pytest.fixture
+def replicas(replica_settings) -> tuple[LiveStore, LiveStore]:
+    """Two running store instances of one registry."""
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(running_store(replica_settings(), "replica-a"))
+        second = stack.enter_context(running_store(replica_settings(), "replica-b"))
+        yield first, second
+
+
+# -- a registry of its own, for GC (tests/ops/gc_support.py) --------------------------------
+from tests.ops.gc_support import registry  # noqa: E402, F401
