@@ -73,12 +73,12 @@ def seed(database_url: str, start: int, stop: int) -> None:
             "INSERT INTO repos (owner, name, visibility, created_by, created_at) "
             "VALUES ('root', 'bench-family', 'owner', 'bench', :now) ON CONFLICT DO NOTHING"), {"now": now})
         repo_id = conn.execute(text("SELECT id FROM repos WHERE owner='root' AND name='bench-family'")).scalar()
-        conn.execute(text("INSERT INTO blobs (digest, size, created_at) VALUES (:d, 28, :now) ON CONFLICT DO NOTHING"),
+        conn.execute(text("INSERT INTO blobs (digest, size, created_at, linked_at) VALUES (:d, 28, :now, :now) ON CONFLICT DO NOTHING"),
                      {"d": component, "now": now})
     for low in range(start, stop, SEED_BATCH):
         high = min(low + SEED_BATCH, stop)
         with engine.begin() as conn:
-            conn.execute(text("INSERT INTO blobs (digest, size, created_at) VALUES (:d, 1565188, :now)"),
+            conn.execute(text("INSERT INTO blobs (digest, size, created_at, linked_at) VALUES (:d, 1565188, :now, :now)"),
                          [{"d": fake_digest("a", n), "now": now} for n in range(low, high)])
             conn.execute(text(_INSERT_RECORD), [_record(repo_id, n, now) for n in range(low, high)])
             conn.execute(text(
@@ -86,7 +86,11 @@ def seed(database_url: str, start: int, stop: int) -> None:
                 "SELECT id, 'consts', :c, 28 FROM compiled_graphs WHERE repo_id = :r AND id > :after"),
                 {"c": component, "r": repo_id, "after": _max_component_record(conn)})
     with engine.connect() as conn:
-        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("ANALYZE"))
+        # VACUUM and CHECKPOINT now, so autovacuum and the checkpointer do not
+        # catch up on the seeding's writes while the next measurement runs.
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        conn.execute(text("VACUUM ANALYZE"))
+        conn.execute(text("CHECKPOINT"))
     engine.dispose()
 
 
