@@ -2,9 +2,11 @@
 
     python bench/resolve.py                      # 16 clients, 1 k then 100 k records
     python bench/resolve.py --clients 4 --requests 40
+    python bench/resolve.py --workers 1          # one store process (default 2: CGSTORE_WORKERS)
 
 Starts its own PostgreSQL database, moto_server and the store (PostgreSQL + S3,
-presigned download URLs on) as a separate process, and stops them afterwards.
+presigned download URLs on, ``--workers`` processes) as a separate process, and
+stops them afterwards.
 Records are seeded in bulk with SQL straight into the store's database (a
 publish per record would take hours of archive reading and measure nothing
 about resolve): 1 k records first, measured, then 99 k more, measured again,
@@ -19,7 +21,7 @@ the latency of each request is measured from the first byte sent to the last
 byte received.
 
 Last line: ``{"p50_ms_1k", "p99_ms_1k", "p50_ms_100k", "p99_ms_100k", "p99_ratio"}``
-(ratio = 100 k ÷ 1 k), plus the client count and request count it was taken with.
+(ratio = 100 k ÷ 1 k), plus the client count, request count and store processes it was taken with.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=40, help="measured requests per client per size (default 40)")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured requests per client first (default 3)")
     parser.add_argument("--small", type=int, default=1_000, help="records in the first measurement (default 1000)")
+    parser.add_argument("--workers", type=int, default=2, help="store processes, CGSTORE_WORKERS (default 2: one per core)")
     parser.add_argument("--large", type=int, default=100_000, help="records in the second (default 100000)")
     return parser.parse_args()
 
@@ -70,12 +73,12 @@ def seed(database_url: str, start: int, stop: int) -> None:
             "INSERT INTO repos (owner, name, visibility, created_by, created_at) "
             "VALUES ('root', 'bench-family', 'owner', 'bench', :now) ON CONFLICT DO NOTHING"), {"now": now})
         repo_id = conn.execute(text("SELECT id FROM repos WHERE owner='root' AND name='bench-family'")).scalar()
-        conn.execute(text("INSERT INTO blobs (digest, size, created_at) VALUES (:d, 28, :now) ON CONFLICT DO NOTHING"),
+        conn.execute(text("INSERT INTO blobs (digest, size, created_at, linked_at) VALUES (:d, 28, :now, :now) ON CONFLICT DO NOTHING"),
                      {"d": component, "now": now})
     for low in range(start, stop, SEED_BATCH):
         high = min(low + SEED_BATCH, stop)
         with engine.begin() as conn:
-            conn.execute(text("INSERT INTO blobs (digest, size, created_at) VALUES (:d, 1565188, :now)"),
+            conn.execute(text("INSERT INTO blobs (digest, size, created_at, linked_at) VALUES (:d, 1565188, :now, :now)"),
                          [{"d": fake_digest("a", n), "now": now} for n in range(low, high)])
             conn.execute(text(_INSERT_RECORD), [_record(repo_id, n, now) for n in range(low, high)])
             conn.execute(text(
@@ -83,7 +86,11 @@ def seed(database_url: str, start: int, stop: int) -> None:
                 "SELECT id, 'consts', :c, 28 FROM compiled_graphs WHERE repo_id = :r AND id > :after"),
                 {"c": component, "r": repo_id, "after": _max_component_record(conn)})
     with engine.connect() as conn:
-        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("ANALYZE"))
+        # VACUUM and CHECKPOINT now, so autovacuum and the checkpointer do not
+        # catch up on the seeding's writes while the next measurement runs.
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        conn.execute(text("VACUUM ANALYZE"))
+        conn.execute(text("CHECKPOINT"))
     engine.dispose()
 
 
@@ -191,7 +198,8 @@ def run_size(stack, token: str, records: int, args, rng: random.Random) -> tuple
 def main() -> None:
     args = parse_args()
     rng = random.Random(20261203)
-    with production_stack("cgstore_bench_resolve", redirect_downloads=True, reaper_interval_s=3600) as stack:
+    with production_stack("cgstore_bench_resolve", redirect_downloads=True, reaper_interval_s=3600,
+                          workers=args.workers) as stack:
         token = stack.mint("bench-worker", "bench/*:read")
         started = time.perf_counter()
         seed(stack.database_url, 0, args.small)
@@ -205,7 +213,7 @@ def main() -> None:
         "p50_ms_1k": round(p50_small, 2), "p99_ms_1k": round(p99_small, 2),
         "p50_ms_100k": round(p50_large, 2), "p99_ms_100k": round(p99_large, 2),
         "p99_ratio": round(p99_large / p99_small, 3),
-        "clients": args.clients, "requests": args.clients * args.requests,
+        "clients": args.clients, "requests": args.clients * args.requests, "workers": args.workers,
     })
 
 

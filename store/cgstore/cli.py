@@ -73,14 +73,21 @@ def serve(
         typer.echo("the database schema is not current: run `cgstore db upgrade` first", err=True)
         raise typer.Exit(2)
     logging.basicConfig(level=settings.log_level.upper())
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=10,
+    options = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "timeout_graceful_shutdown": 10,
         **server_options(settings),
-    )
+    }
+    if settings.workers == 1:
+        uvicorn.run(create_app(settings), **options)
+    else:
+        # One event loop holds the GIL for every request's Python work: more
+        # processes are how a resolve-heavy store uses more than one core. uvicorn
+        # starts each by import, so each builds its own app (pool, reaper, denial
+        # log, metrics) from the same CGSTORE_* environment.
+        uvicorn.run("cgstore.app:create_app", factory=True, workers=settings.workers, **options)
 
 
 @db_app.command("upgrade")

@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         1000, ge=1, description="Concurrent connections (and requests) served; beyond, uvicorn answers 503."
     )
+    workers: int = Field(
+        1, ge=1, le=64, description="Server processes `cgstore serve` runs (each with its own pool and counters)."
+    )
     worker_threads: int = Field(
         40, ge=1, description="Threads that run database and storage calls (anyio's default limiter)."
     )

@@ -59,6 +59,18 @@ def test_resolve_keeps_order_answers_duplicates_and_misses(store, published):
     assert response.json()["answers"][0] == {"key": absent_key(1), "status": "miss"}
 
 
+def test_answer_bytes_are_exactly_what_the_wire_type_serializes(store, published):
+    """The store serializes plain data, not models: the bytes must still be ``ResolveAnswer``'s own."""
+    _, token, pub = published
+    with store.client(token) as client:
+        response = resolve(client, [pub.key, absent_key(3), pub.key])
+    assert response.status_code == 200, response.text
+    answer = ResolveAnswer.model_validate_json(response.content)
+    assert [a.status for a in answer.answers] == ["hit", "miss", "hit"]
+    assert answer.answers[0].record.layout is not None and answer.answers[0].components
+    assert response.content == answer.model_dump_json().encode()
+
+
 def test_hit_urls_download_the_exact_bytes(store, published):
     name, token, pub = published
     with store.client(token) as client:

@@ -814,6 +814,29 @@ def test_revoked_ancestor_invalidates_a_child_not_yet_marked(svc: TokenService, 
     assert {t.jti: t.status for t in svc.list_tokens()}[child.jti] == "revoked"
 
 
+def test_a_revoked_grandparent_invalidates_a_grandchild(svc: TokenService, db: Database) -> None:
+    root = svc.mint("job", ["acme/*:read"], ttl_s=600)
+    middle = svc.attenuate(root.claims, ["acme/*:read"], ttl_s=300)
+    leaf = svc.attenuate(middle.claims, ["acme/x:read"], ttl_s=60)
+    assert svc.verify(leaf.token).jti == leaf.jti
+    with db.session() as session:
+        session.execute(
+            update(TokenRecord).where(TokenRecord.jti == root.jti).values(revoked_at=dt.datetime.now(dt.UTC))
+        )
+    with pytest.raises(TokenInvalid, match="parent token was revoked"):
+        svc.verify(leaf.token)
+
+
+def test_a_cyclic_chain_is_refused(svc: TokenService, db: Database) -> None:
+    root = svc.mint("job", ["acme/*:read"], ttl_s=600)
+    middle = svc.attenuate(root.claims, ["acme/*:read"], ttl_s=300)
+    leaf = svc.attenuate(middle.claims, ["acme/x:read"], ttl_s=60)
+    with db.session() as session:  # a corrupt table: the root points back at the leaf
+        session.execute(update(TokenRecord).where(TokenRecord.jti == root.jti).values(parent_jti=leaf.jti))
+    with pytest.raises(TokenInvalid, match="chain is corrupt"):
+        svc.verify(leaf.token)
+
+
 def test_revoke_unknown_jti(svc: TokenService) -> None:
     with pytest.raises(NameUnknown):
         svc.revoke("f" * 32)

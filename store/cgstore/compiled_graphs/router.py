@@ -93,7 +93,7 @@ async def resolve(
 ) -> Response:
     query = await read_json(request, ResolveRequest, ctx.settings.max_json_bytes)
     urls_for = _url_builder(ctx, str(request.base_url).rstrip("/"))
-    return _json(await run_in_threadpool(service.resolve, ctx, claims, query, urls_for))
+    return Response(await run_in_threadpool(service.resolve, ctx, claims, query, urls_for), media_type=_JSON)
 
 
 def _url_builder(ctx: StoreContext, base_url: str) -> service.UrlsFor:

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import DateTime, MetaData, any_, bindparam, create_engine, event, make_url
-from sqlalchemy.engine import Engine
+from sqlalchemy import DateTime, MetaData, String, any_, bindparam, cast, create_engine, event, make_url
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
@@ -100,6 +100,7 @@ class Database:
         self.url = url
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -111,6 +112,16 @@ class Database:
             except BaseException:
                 session.rollback()
                 raise
+
+    @contextmanager
+    def reading(self) -> Iterator[Connection]:
+        """A connection for a read that is one statement: autocommit, so no BEGIN and COMMIT round trips.
+
+        A single statement sees one snapshot either way; reads that need several
+        statements to agree take a ``session()``.
+        """
+        with self._autocommit.connect() as conn:
+            yield conn
 
     def ping(self) -> None:
         """Raise unless the database answers *and accepts writes*.
@@ -135,16 +146,25 @@ class Database:
 def in_values(session: Session, column, values: list):
     """``column IN values`` as one statement with a constant text, whatever ``len(values)``.
 
-    On PostgreSQL ``column = ANY(:array)``: one bound array instead of one
-    placeholder per value, so neither SQLAlchemy nor the driver re-renders and
-    re-parses a 256-placeholder statement on every call. SQLite has no arrays:
-    an expanding IN there.
+    On PostgreSQL ``column = ANY(CAST(:literal AS type[]))``: one bound array
+    literal instead of one placeholder per value, so neither SQLAlchemy nor the
+    driver re-renders and re-parses a 256-placeholder statement on every call;
+    and the literal is one joined string, not an array the driver dumps element
+    by element in Python. SQLite has no arrays: an expanding IN there.
     """
     if session.get_bind().dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import ARRAY
 
-        return column == any_(bindparam(None, list(values), type_=ARRAY(column.type)))
+        literal = bindparam(None, _pg_array_literal(values), type_=String())
+        return column == any_(cast(literal, ARRAY(column.type)))
     return column.in_(list(values))
+
+
+def _pg_array_literal(values: list) -> str:
+    """A PostgreSQL array literal of ints or strings (each string quoted, ``"`` and ``\\`` escaped)."""
+    if all(isinstance(value, int) and not isinstance(value, bool) for value in values):
+        return "{" + ",".join(map(str, values)) + "}"
+    return "{" + ",".join('"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"' for value in values) + "}"
 
 
 def insert_ignoring_conflicts(session: Session, model: type[Base], **values) -> bool:

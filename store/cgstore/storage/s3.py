@@ -137,7 +137,7 @@ from cgstore.settings import parse_s3_url
 from cgstore.storage import hashing
 from cgstore.storage.base import ObjectInfo, ObjectMissing, StagedUpload, StageWriter, Storage
 from cgstore.storage.hashing import READ_CHUNK_BYTES, check_session_id
-from cgstore.storage.presign import presign_many
+from cgstore.storage.presign import BatchPresigner
 from cgstore.storage.writer import PendingObject
 
 logger = logging.getLogger(__name__)
@@ -315,6 +315,7 @@ class S3Storage(Storage):
         else:
             self.presign_client = self.client
         self._credentials = session.get_credentials()
+        self._presigner = BatchPresigner(self.presign_client, self._credentials, self.bucket)
 
     @classmethod
     def from_settings(cls, settings) -> S3Storage:
@@ -399,9 +400,7 @@ class S3Storage(Storage):
     def presigned_urls(self, digests: list[str], ttl_s: int) -> dict[str, str]:
         unique = list(dict.fromkeys(digests))
         with _s3_errors("presign"):
-            urls = presign_many(
-                self.presign_client, self._credentials, self.bucket, [self.blob_key(d) for d in unique], ttl_s
-            )
+            urls = self._presigner.urls([self.blob_key(d) for d in unique], ttl_s)
         return dict(zip(unique, urls))
 
     def delete_key(self, key: str) -> None:

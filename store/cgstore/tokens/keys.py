@@ -10,8 +10,9 @@ Public halves live in the ``signing_keys`` table, private halves on disk:
 
 The newest key that is not retired (and whose private half this host holds)
 signs; every key that is not retired verifies. The table is read on every mint
-and every verification (one primary-key lookup), so ``rotate`` and ``retire``
-reach every running process on the next request: there is no cache to expire.
+and every verification (a primary-key lookup, on verification within the
+token's own statement), so ``rotate`` and ``retire`` reach every running
+process on the next request: there is no cache to expire.
 Parsed keys are cached by ``kid``, which is the SHA-256 of the public key, so a
 cached key can never stand for another.
 
@@ -84,6 +85,15 @@ class KeyInfo:
     signs_here: bool
 
 
+@dataclass(frozen=True)
+class KeyRow:
+    """The columns of a ``signing_keys`` row that verification reads."""
+
+    kid: str
+    public_key: str
+    retired_at: object
+
+
 class KeyRing:
     """Signing and verification keys, read from the database on every use."""
 
@@ -113,10 +123,14 @@ class KeyRing:
                 return kid, private
         raise Unavailable("no signing key is available on this host: every key is retired or elsewhere")
 
-    def verify_key(self, session: Session, kid: str) -> Ed25519PublicKey:
-        """The public key ``kid`` names, if it is in the ring and not retired; else ``TokenInvalid``."""
+    def verify_key(self, kid: str, row: KeyRow | None) -> Ed25519PublicKey:
+        """The public key ``kid`` names, given its row as just read (None: no such row); else ``TokenInvalid``.
+
+        The caller reads the row on every verification (``TokenService.verify``
+        does it in the same statement as the token's record), so a retirement
+        counts from the next request; only the parsed key is cached.
+        """
         self._ensure_enrolled()
-        row = session.get(SigningKey, kid)
         if row is None:
             raise TokenInvalid(f"token signed by an unknown key (kid {kid!r})")
         if row.retired_at is not None:
@@ -199,7 +213,7 @@ class KeyRing:
             self._private[kid] = key
         return key
 
-    def _public_key(self, row: SigningKey) -> Ed25519PublicKey:
+    def _public_key(self, row: SigningKey | KeyRow) -> Ed25519PublicKey:
         with self._lock:
             cached = self._public.get(row.kid)
         if cached is not None:
