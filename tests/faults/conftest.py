@@ -7,6 +7,7 @@ other test; each test starts (and may kill) its own store processes on them.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,7 +44,7 @@ class FaultWorld:
     def token(self, sub: str, grant: str) -> str:
         """A token minted by the CLI against this world's database and signing key."""
         if (sub, grant) not in self.tokens:
-            env = {**S3_ENV, **self.env, "CGSTORE_HOME": str(self.home), "PATH": "/usr/bin:/bin"}
+            env = {**os.environ, **S3_ENV, **self.env, "CGSTORE_HOME": str(self.home)}
             cli = [sys.executable, "-m", "cgstore.cli"]
             subprocess.run([*cli, "db", "upgrade"], env=env, check=True, cwd=REPO_ROOT, capture_output=True)
             minted = subprocess.run(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 from sqlalchemy import text
 
 from cgstore.core.db import Database
@@ -57,3 +58,26 @@ def _forget(world, digest: str) -> None:
         session.execute(text("DELETE FROM repo_blobs WHERE digest = :d"), {"d": digest})
         session.execute(text("DELETE FROM blobs WHERE digest = :d"), {"d": digest})
     db.dispose()
+
+
+@pytest.mark.torch
+def test_a_record_whose_artifact_was_deleted_is_a_violation(world, pt2_archive):
+    from tests.compiled_graphs.support import CONSTANTS_A, publication, safetensors_bytes, upload_all
+    from tests.support.archives import archive_report
+
+    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)})
+    token = world.token("faults-checker", "acme/*:read,write")
+    with store_process(world.env, world.home) as store:
+        with httpx.Client(base_url=store.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as client:
+            upload_all(client, "acme", "checker-record", pub)
+            assert client.put(pub.path("acme", "checker-record"), json=pub.manifest).status_code in (200, 201)
+    assert violations(world.settings) == []
+    storage = open_storage(world.settings)
+    saved = b"".join(storage.read(pub.artifact.digest))
+    storage.delete(pub.artifact.digest)
+    try:
+        assert f"{pub.artifact.digest}: missing from storage" in violations(world.settings)
+    finally:  # put the bytes back: the other tests of this module share the world
+        bucket_client = world.s3.server.client()
+        bucket_client.put_object(Bucket=world.s3.bucket, Key=_object_key(storage, pub.artifact.digest), Body=saved)
+    assert violations(world.settings) == []

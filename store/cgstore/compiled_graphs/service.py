@@ -67,6 +67,7 @@ from cgstore.core.errors import (
     Unavailable,
     hidden_miss,
 )
+from cgstore.core.faults import crash_point
 from cgstore.core.names import ROOT_OWNER, validate_owner, validate_repo
 from cgstore.core.private import private_dir
 from cgstore.repos.models import Repo
@@ -205,9 +206,11 @@ def _insert_if_absent(
     # below stays the first statement of its transaction.
     with ctx.db.session() as session:
         _stamp(ctx, session, target, row, manifest)
+    crash_point("publish.admitted")
     for _ in range(_INSERT_ATTEMPTS):
         published = _try_insert(ctx, claims, target, row, manifest)
         if published is not None:
+            crash_point("publish.committed")
             return published
     raise Unavailable("the key's live record kept changing during this publish; retry")
 
@@ -235,6 +238,7 @@ def _try_insert(
             )
             audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH, target=target_name,
                   detail={"result": "created", "artifact": row.artifact_digest, "component_set": row.component_set})
+            crash_point("publish.inserted")  # everything written, nothing committed
             return Published(_publish_answer(target, row, "created"), created=True)
         live = _live_record(session, target.id, row.key, row.scope)
         if live is None:
