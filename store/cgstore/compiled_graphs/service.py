@@ -515,7 +515,7 @@ def _blob_refs(rows: Iterable, components: dict[int, list[tuple[str, str, int]]]
 def _answer(key: str, row, components: dict[int, list[tuple[str, str, int]]], urls: dict[BlobRef, str]) -> dict:
     """One hit as plain data, keys in the wire types' field order (``ResolveHit``, ``ComponentDownload``)."""
     (record_id, record_key, kind, format_, family, lane, sm, graph, envelope_digest, toolchain_digest,
-     layout_display, layout_topology, layout_quant, created_at, _, artifact_digest, artifact_size,
+     layout_display, layout_topology, layout_quant, created_at, _, artifact_digest, artifact_size, receipt,
      owner, name, _) = row
     layout = None
     if layout_display is not None:
@@ -536,7 +536,7 @@ def _answer(key: str, row, components: dict[int, list[tuple[str, str, int]]], ur
             {"digest": digest, "size": size, "url": urls[(owner, name, digest)], "name": component_name}
             for component_name, digest, size in components.get(record_id, [])
         ],
-        "receipt": row.receipt,
+        "receipt": receipt,
     }
 
 
