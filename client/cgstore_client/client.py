@@ -42,7 +42,7 @@ from cgstore_client.errors import (
 from cgstore_client.http import Retry, Stream, Transport, file_chunks, open_stream
 from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
 from cgstore_client.lanes import DEFAULT_LANE, resolve_lane
-from cgstore_client.receipts import ReceiptInvalid, ReceiptVerifier, verify_jws_receipt
+from cgstore_client.receipts import ReceiptInvalid, ReceiptKeyUnknown, ReceiptVerifier, verify_jws_receipt
 from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
@@ -311,16 +311,23 @@ class Client:
             return entry
         receipt = entry.get("receipt")
         if receipt is None:
-            return entry  # records the store does not sign yet: integrity still rests on the digests
+            return f"{boot.RECEIPT_INVALID}: the record carries no receipt"
         try:
-            self.receipt_verifier(entry, receipt, self.keys())
+            try:
+                self.receipt_verifier(entry, receipt, self.keys())
+            except ReceiptKeyUnknown:
+                if self.offline:
+                    raise
+                # A key rotated in after this client fetched the JWKS: fetch it again, once.
+                self.receipt_verifier(entry, receipt, self.keys(refresh=True))
         except ReceiptInvalid as err:
             return f"{boot.RECEIPT_INVALID}: {err}"
         return entry
 
-    def keys(self) -> dict[str, Any]:
-        """The store's public keys (JWKS), fetched once and kept in the cache for offline verification."""
-        if self._jwks is None:
+    def keys(self, *, refresh: bool = False) -> dict[str, Any]:
+        """The store's public keys (JWKS), fetched once (again with ``refresh``) and kept in the
+        cache for offline verification."""
+        if self._jwks is None or (refresh and not self.offline):
             cached = self.cache.root / "keys.json"
             if self.offline:
                 self._jwks = self.cache.read_json(cached) or {"keys": []}

@@ -47,6 +47,10 @@ class ReceiptInvalid(CgstoreError):
     """A receipt that does not verify, or does not vouch for the record it came with."""
 
 
+class ReceiptKeyUnknown(ReceiptInvalid):
+    """Signed by a key the JWKS at hand does not list (a key rotated in since it was fetched?)."""
+
+
 #: ``(entry, receipt, jwks)``; raises :class:`ReceiptInvalid`.
 ReceiptVerifier = Callable[[Mapping[str, Any], object, Mapping[str, Any]], None]
 
@@ -134,4 +138,4 @@ def _public_key(jwks: Mapping[str, Any] | list[Mapping[str, Any]], kid: object):
                 return jwt.PyJWK(dict(jwk), algorithm=RECEIPT_ALGORITHM).key
             except jwt.PyJWTError as err:
                 raise ReceiptInvalid(f"unusable key {kid!r} in the JWKS: {err}") from err
-    raise ReceiptInvalid(f"receipt signed by unknown key {kid!r}")
+    raise ReceiptKeyUnknown(f"receipt signed by unknown key {kid!r}")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jwt
 import pytest
 from cgstore_client import Client, CompiledRequired, Conflict, Want
 from cgstore_client.archive import inspect
@@ -221,3 +222,19 @@ def test_a_tampered_cached_record_is_refused_by_its_receipt(store, published, tm
         assert isinstance(refused, Eager) and refused.reason.startswith("receipt invalid")
         with pytest.raises(CompiledRequired, match="receipt invalid"):
             offline.load(FAMILY, [Want(key, mandatory=True)])
+
+
+def test_a_receipt_signed_by_a_key_rotated_in_since_the_jwks_was_fetched_verifies(make_store, minted, tmp_path):
+    """A long-running client fetched the JWKS before an operator rotated: it fetches it again, once."""
+    live = make_store("embedded")
+    repo = f"acme/{unique_repo()}"
+    token = live.mint("mint-child", f"{repo}:read,write")
+    with Client(live.base_url, token, cache_dir=tmp_path / "c") as client:
+        before = {jwk["kid"] for jwk in client.keys()["keys"]}
+        with live.context.db.session() as session:
+            rotated = live.context.tokens.keys.rotate(session)  # what `cgstore keys rotate` does
+        publish(client, repo, minted)  # the receipt is signed with the new key
+        (loaded,) = client.load(FAMILY, [derived_key(minted)])
+    assert rotated not in before
+    assert isinstance(loaded, Loaded), loaded
+    assert jwt.get_unverified_header(loaded.receipt)["kid"] == rotated

@@ -348,22 +348,17 @@ class TokenService:
 
     @staticmethod
     def _check_chain(session: Session, jti: str) -> None:
-        """The token is recorded and no token in its chain is revoked."""
+        """The token is recorded and no token in its chain is revoked (``_check_chain_rows``)."""
+        chain: list[TokenRecord] = []
         record_ = session.get(TokenRecord, jti)
-        if record_ is None:
-            raise TokenInvalid("unknown token (not issued by this store, or its record is gone)")
-        seen: set[str] = set()
-        while record_ is not None:
-            if record_.revoked_at is not None:
-                which = "token" if record_.jti == jti else "a parent token"
-                raise TokenInvalid(f"{which} was revoked", jti=jti)
-            seen.add(record_.jti)
-            if record_.parent_jti is None:
-                return
-            if record_.parent_jti in seen or len(seen) >= MAX_CHAIN_DEPTH:
-                raise TokenInvalid("token chain is corrupt")
+        while record_ is not None and len(chain) <= MAX_CHAIN_DEPTH:
+            chain.append(record_)
+            if record_.parent_jti is None or any(member.jti == record_.parent_jti for member in chain):
+                break  # the root, or a cycle _check_chain_rows names
             record_ = session.get(TokenRecord, record_.parent_jti)
-        raise TokenInvalid("a parent token is unknown")
+        if not chain:
+            raise TokenInvalid("unknown token (not issued by this store, or its record is gone)")
+        _check_chain_rows(chain, jti)
 
     # -- revoking and listing --------------------------------------------------------
 
