@@ -83,9 +83,6 @@ class ComponentHeader:
     metadata: Mapping[str, str]
     header_bytes: int
 
-    def by_name(self) -> dict[str, TensorInfo]:
-        return {tensor.name: tensor for tensor in self.tensors}
-
 
 def header_length(prefix: bytes, blob_size: int, max_header_bytes: int = MAX_HEADER_BYTES) -> int:
     """The JSON header's length from the first 8 bytes, bounded by the limit and the blob."""
