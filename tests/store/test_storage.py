@@ -414,6 +414,131 @@ def test_stage_abort_reclaims_every_staged_byte(storage_case, big_data):
         storage_case.storage.stage_commit(staged, blake3_digest(big_data[: 2 * PART]))
 
 
+def another_process(case: StorageCase):
+    """The same store as another server process sees it: same bytes, none of this one's stream hashes."""
+    return open_storage(case.settings)
+
+
+def count_s3_calls(case: StorageCase, *operations: str) -> dict[str, int]:
+    """Live counts of the S3 operations this storage's client sends (botocore's own event hooks)."""
+    counts = dict.fromkeys(operations, 0)
+    for operation in operations:
+        def count(operation=operation, **_):
+            counts[operation] += 1
+        case.storage.client.meta.events.register(f"before-call.s3.{operation}", count)
+    return counts
+
+
+def test_staged_commit_verifies_from_the_hash_kept_by_the_appends(storage_case, big_data):
+    """One process served every append: the commit reads nothing back, and on S3 the chunks
+    are joined inside S3 (one UploadPartCopy per chunk), never uploaded again."""
+    pieces = [big_data[:PART], big_data[PART : 2 * PART + 7], big_data[2 * PART + 7 :]]
+    staged = stage(storage_case.storage, pieces)
+    assert storage_case.storage.staged_verifier(staged, blake3_digest(big_data)) is not None
+    if storage_case.kind == "s3":
+        calls = count_s3_calls(storage_case, "GetObject", "UploadPart", "UploadPartCopy", "PutObject")
+    assert storage_case.storage.stage_commit(staged, blake3_digest(big_data)) == len(big_data)
+    if storage_case.kind == "s3":
+        assert calls == {"GetObject": 0, "UploadPart": 0, "UploadPartCopy": 3, "PutObject": 0}
+    assert_stored_once(storage_case, big_data)
+
+
+def test_staged_commit_in_another_process_reads_the_bytes_back(storage_case, big_data):
+    pieces = [big_data[:PART], big_data[PART:]]
+    staged = stage(storage_case.storage, pieces)
+    other = another_process(storage_case)
+    assert other.staged_verifier(staged, blake3_digest(big_data)) is None
+    assert other.stage_commit(staged, blake3_digest(big_data)) == len(big_data)
+    assert_stored_once(storage_case, big_data)
+
+
+def test_an_append_in_another_process_leaves_no_hash_to_trust(storage_case, big_data):
+    """A state this process did not produce names no kept hash, even if an earlier one did."""
+    head = stage(storage_case.storage, [big_data[:PART]])
+    moved = another_process(storage_case).stage_append(head, iter([big_data[PART:]]))
+    assert storage_case.storage.staged_verifier(moved, blake3_digest(big_data)) is None
+    assert storage_case.storage.stage_commit(moved, blake3_digest(big_data)) == len(big_data)
+    assert_stored_once(storage_case, big_data)
+
+
+def tamper_with_staged_bytes(case: StorageCase, staged: StagedUpload, cut: int = 0) -> None:
+    """Flip the first byte of the staging (or cut ``cut`` bytes off its last chunk on S3)."""
+    if case.kind == "fs":
+        path = case.storage.uploads_dir / staged.session_id
+        data = bytearray(path.read_bytes())
+        data[0] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return
+    storage = case.storage
+    name = staged.state["chunks"][-1 if cut else 0][2]
+    key = storage.key(f"uploads/{staged.session_id}/{name}")
+    data = bytearray(storage.client.get_object(Bucket=storage.bucket, Key=key)["Body"].read())
+    data[0] ^= 0xFF
+    storage.client.put_object(Bucket=storage.bucket, Key=key, Body=bytes(data[: len(data) - cut]))
+
+
+def test_staged_bytes_changed_in_storage_are_caught_when_read_back(storage_case, big_data):
+    staged = stage(storage_case.storage, [big_data[:PART], big_data[PART:]])
+    tamper_with_staged_bytes(storage_case, staged)
+    with pytest.raises(DigestInvalid):
+        another_process(storage_case).stage_commit(staged, blake3_digest(big_data))
+    assert_nothing_stored(storage_case, blake3_digest(big_data))
+
+
+@pytest.fixture
+def s3_case(tmp_path, s3_server) -> StorageCase:
+    return build_storage_case("s3", tmp_path, s3_server)
+
+
+def test_a_staged_chunk_cut_short_in_s3_never_becomes_visible(s3_case, big_data):
+    staged = stage(s3_case.storage, [big_data[:PART], big_data[PART:]])
+    tamper_with_staged_bytes(s3_case, staged, cut=1000)
+    with pytest.raises(BlobUploadUnknown):
+        s3_case.storage.stage_commit(staged, blake3_digest(big_data))  # its kept hash is of the real bytes
+    assert s3_case.storage.size(blake3_digest(big_data)) is None
+    assert s3_case.pending_multipart() == []
+
+
+def test_chunks_s3_cannot_join_server_side_are_streamed_through_a_verified_write(s3_case, big_data):
+    """A chunk below S3's 5 MiB part floor (but the last) cannot be a copied part."""
+    staged = stage(s3_case.storage, [big_data[:1000], big_data[1000:]])
+    calls = count_s3_calls(s3_case, "UploadPartCopy", "UploadPart")
+    assert s3_case.storage.stage_commit(staged, blake3_digest(big_data)) == len(big_data)
+    assert calls["UploadPartCopy"] == 0 and calls["UploadPart"] == 4
+    assert_stored_once(s3_case, big_data)
+
+
+def test_copy_plan_splits_huge_chunks_and_refuses_what_s3_cannot_join():
+    plan = s3_module._copy_plan
+    assert plan([]) == []
+    assert plan([("a", 6 * MiB), ("b", 1)]) == [("a", 0, 6 * MiB), ("b", 0, 1)]
+    assert plan([("a", 1), ("b", 6 * MiB)]) is None
+    huge = 11 << 30  # over two 5 GiB parts: three equal ranges
+    pieces = plan([("h", huge)])
+    assert len(pieces) == 3 and all(end - start <= s3_module.MAX_PART_BYTES for _, start, end in pieces)
+    assert pieces[0][1] == 0 and pieces[-1][2] == huge
+    assert all(a[2] == b[1] for a, b in zip(pieces, pieces[1:]))  # contiguous
+    assert plan([("c", 6 * MiB)] * 10_001) is None
+
+
+def test_stream_hashes_forget_the_oldest_and_never_answer_for_another_offset():
+    from cgstore.storage.hashing import STREAM_HASH_FIELD, StreamHashes, StreamState
+
+    hashes = StreamHashes(limit=2)
+    tokens = []
+    for data in (b"a", b"bb", b"ccc"):
+        state = StreamState()
+        state.update(data)
+        tokens.append(hashes.keep(state))
+    assert hashes.resume({STREAM_HASH_FIELD: tokens[0]}, 1) is None  # evicted
+    assert hashes.resume({STREAM_HASH_FIELD: tokens[1]}, 3) is None  # not the recorded offset
+    resumed = hashes.resume({STREAM_HASH_FIELD: tokens[2]}, 3)
+    assert resumed.hasher.hexdigest() == blake3.blake3(b"ccc").hexdigest()
+    resumed.update(b"more")  # a copy: the kept state is unchanged
+    assert hashes.resume({STREAM_HASH_FIELD: tokens[2]}, 3).size == 3
+    assert hashes.resume({}, 3) is None and hashes.resume({}, 0).size == 0
+
+
 @pytest.mark.parametrize("session_id", ["../escape", "a/b", ".hidden", "", "x" * 200, "abc\n"])
 def test_unsafe_session_ids_are_unknown(storage_case, session_id):
     staged = StagedUpload(session_id, 0, {})

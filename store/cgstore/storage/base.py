@@ -9,7 +9,10 @@ for every driver alike: digests parsed into keys, and each write verified by
 ``writer.VerifiedWriter`` (streaming blake3, the declared size, the store's
 size limit) and published only on a match. Staged uploads (resumable
 sessions) stay per driver, since their layout is what makes each one cheap,
-but their size limit is applied here, once.
+but their size limit is applied here, once, and so is their hashing: each
+append continues the stream's blake3 state in this process
+(``hashing.StreamHashes``), and a commit verifies from it when it can
+(``staged_verifier``), reading the staged bytes back only when it cannot.
 
 Contract, shared by both backends:
 - A blob becomes visible (``size`` answers, ``read`` works) only after a write
@@ -27,13 +30,15 @@ Contract, shared by both backends:
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cgstore.core.errors import BlobUnknown
-from cgstore.storage.hashing import StreamVerifier, blob_key, check_range, parse_digest
+from cgstore.storage.hashing import StreamHashes, StreamVerifier, blob_key, check_range, parse_digest
 from cgstore.storage.writer import (
     BlobWriter,
+    HashingStageWriter,
     LimitedStageWriter,
     PendingObject,
     StageWriter,
@@ -182,7 +187,19 @@ class Storage(ObjectStore):
         state names, and bytes named by no recorded state (a lost race, a
         crashed process) are reclaimed by ``stage_commit`` / ``stage_abort``.
         """
-        return LimitedStageWriter(self._stage_writer(staged), staged.offset, self.max_blob_bytes)
+        limited = LimitedStageWriter(self._stage_writer(staged), staged.offset, self.max_blob_bytes)
+        return HashingStageWriter(limited, staged, self.stream_hashes)
+
+    @functools.cached_property
+    def stream_hashes(self) -> StreamHashes:
+        """The blake3 states of this process's staged appends (see ``hashing.StreamHashes``)."""
+        return StreamHashes()
+
+    def staged_verifier(self, staged: StagedUpload, digest: str) -> StreamVerifier | None:
+        """A verifier that has seen the whole staged stream, if this process hashed it
+        as it was staged; None when the driver must read the staged bytes back."""
+        state = self.stream_hashes.resume(staged.state, staged.offset)
+        return None if state is None else StreamVerifier.resumed(digest, state, self.max_blob_bytes)
 
     @abc.abstractmethod
     def _stage_writer(self, staged: StagedUpload) -> StageWriter:

@@ -31,9 +31,10 @@ started, and ``stage_discard`` cuts a race loser's bytes when they are the
 file's tail, so the file stays at the committed offset but for a loser whose
 bytes a winner's follow (reclaimed at commit).
 
-``stage_commit`` hashes the live extents (streaming). In the usual case they
-are contiguous from byte 0: the dead tail is cut and the file is renamed into
-``blobs/``. Otherwise the live extents are copied through a verified write.
+``stage_commit`` verifies the live extents: from the hash the appends kept
+when this process made them all (``base.Storage.staged_verifier``), else by
+reading them back (streaming). In the usual case they are contiguous from
+byte 0: the dead tail is cut and the file is renamed into ``blobs/``. Otherwise the live extents are copied through a verified write.
 The lock also keeps a late append from writing into a file that a commit has
 just renamed into ``blobs/``: after locking, an append checks that the path
 still names its file.
@@ -240,10 +241,16 @@ class FileStorage(Storage):
         return staged.offset
 
     def _commit_in_place(self, fd: int, path: Path, staged: StagedUpload, extents: list, digest: str) -> None:
-        """The usual case (no retried or racing appends): hash, cut dead tail, rename."""
-        verifier = StreamVerifier(digest, staged.offset)
-        for data in _read_extents(fd, extents):
-            verifier.update(data)
+        """The usual case (no retried or racing appends): verify, cut dead tail, rename.
+
+        The stream's hash comes from the appends when this process made them all
+        (``staged_verifier``); otherwise the staged bytes are read back and hashed.
+        """
+        verifier = self.staged_verifier(staged, digest)
+        if verifier is None:
+            verifier = StreamVerifier(digest, staged.offset)
+            for data in _read_extents(fd, extents):
+                verifier.update(data)
         verifier.verify()
         with _os_errors("stage_commit"):
             os.ftruncate(fd, staged.offset)  # drop a dead tail, if any

@@ -10,7 +10,10 @@ fills the disk) and the size then the digest at the end.
 
 from __future__ import annotations
 
+import collections
 import re
+import threading
+import uuid
 
 import blake3
 
@@ -91,6 +94,13 @@ class StreamVerifier:
         self._hasher.update(chunk)
         self.size = new_size
 
+    @classmethod
+    def resumed(cls, digest: str, state: StreamState, max_bytes: int | None = None) -> StreamVerifier:
+        """A verifier that has already seen the ``state.size`` bytes ``state`` hashed."""
+        verifier = cls(digest, state.size, max_bytes)
+        verifier._hasher, verifier.size = state.hasher.copy(), state.size
+        return verifier
+
     def verify(self) -> None:
         """Raise unless size (checked first) and digest are the promised ones."""
         if self.expected_size is not None and self.size != self.expected_size:
@@ -100,3 +110,67 @@ class StreamVerifier:
             raise DigestInvalid(
                 "content does not match the digest", expected=self.digest, actual=DIGEST_PREFIX + actual
             )
+
+
+class StreamState:
+    """The blake3 state of the first ``size`` bytes of a stream (what a staged upload holds)."""
+
+    __slots__ = ("hasher", "size")
+
+    def __init__(self, hasher: blake3.blake3 | None = None, size: int = 0) -> None:
+        self.hasher = blake3.blake3() if hasher is None else hasher
+        self.size = size
+
+    def copy(self) -> StreamState:
+        return StreamState(self.hasher.copy(), self.size)
+
+    def update(self, chunk: bytes | bytearray | memoryview) -> None:
+        self.hasher.update(chunk)
+        self.size += len(chunk)
+
+
+#: The key of a staged upload's state naming the stream hash this process kept for it.
+STREAM_HASH_FIELD = "stream_hash"
+
+
+class StreamHashes:
+    """This process's blake3 states of staged uploads, so a commit need not read them back.
+
+    Why: hashing a staged stream at commit means reading every byte back from
+    storage; the appends saw each byte already. The state after an append is
+    kept here under a fresh random token, and the token goes into the session
+    state the service records (``STREAM_HASH_FIELD``). A token names the state
+    of exactly one append by this process, which continued the state named by
+    the token of the recorded state it appended to, so a recorded state whose
+    token is found here was hashed byte for byte as it was staged. Anything
+    else (another process served an append, this one restarted, the entry was
+    evicted) finds no entry and the commit reads the bytes back instead:
+    correctness never depends on this cache. Bounded (least recently used);
+    a state is a few KiB.
+    """
+
+    def __init__(self, limit: int = 1024) -> None:
+        self._limit = limit
+        self._states: collections.OrderedDict[str, StreamState] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def resume(self, session_state: dict, offset: int) -> StreamState | None:
+        """A copy of the stream state the recorded ``session_state`` names (fresh at offset 0), if kept."""
+        if offset == 0:
+            return StreamState()
+        token = session_state.get(STREAM_HASH_FIELD)
+        with self._lock:
+            state = self._states.get(token) if isinstance(token, str) else None
+            if state is None or state.size != offset:
+                return None
+            self._states.move_to_end(token)
+            return state.copy()
+
+    def keep(self, state: StreamState) -> str:
+        """Keep ``state``; return the token to record with the session state."""
+        token = uuid.uuid4().hex
+        with self._lock:
+            self._states[token] = state
+            while len(self._states) > self._limit:
+                self._states.popitem(last=False)
+        return token

@@ -38,8 +38,7 @@ memoryview body and ``io.BytesIO`` would copy it.
 Staged uploads (resumable sessions)
 -----------------------------------
 S3 parts must be ≥ 5 MiB except the last, but a PATCH chunk can be any size,
-and the blake3 state cannot be saved between requests (any server process may
-serve the next PATCH). The design taken: every PATCH chunk becomes its own
+and any server process may serve the next PATCH. The design taken: every PATCH chunk becomes its own
 object ``uploads/<session>/<offset:016d>-<random>`` (written with the same
 streaming upload, so a huge chunk is itself a multipart upload and a small one
 a single PUT); the session state records ``[offset, length, name]`` of every
@@ -47,21 +46,27 @@ chunk. The random part matters: the caller records a new offset by
 compare-and-set after ``stage_append`` returns, so two racing appends at one
 offset must not overwrite each other's object; the loser's is deleted
 (``stage_discard``), and a chunk refused mid-stream (shorter or longer than its
-Content-Range) never becomes an object at all. ``stage_commit`` streams the
-recorded chunk objects in order through a verifying ``writer()`` onto the
-final key, then deletes everything under the session's prefix (unrecorded
-chunks of lost races or crashed appends included).
+Content-Range) never becomes an object at all.
+
+``stage_commit`` verifies the stream first: from the blake3 state the appends
+kept when this process served them all (``base.Storage.staged_verifier``),
+else by reading the recorded chunk objects back in order. Only then are the
+chunks joined at the final key *inside S3*: one multipart upload whose parts
+are ``UploadPartCopy`` of the chunk objects (a chunk over 5 GiB as several
+ranges), completed, then everything under the session's prefix is deleted
+(unrecorded chunks of lost races or crashed appends included). Chunks S3
+cannot join that way (one below 5 MiB but the last, more than 10 000 parts)
+are streamed through a verifying ``writer()`` onto the final key instead.
 
 - Why: it is the simplest correct design. Every chunk object is atomic (a
   chunk that fails midway leaves no object, and its multipart upload is
   aborted), objects are never modified once written, and any chunk size
   works.
-- Cost: a staged blob crosses the server twice, once in, once at commit
-  (read back and re-uploaded; the read is pipelined with the concurrent part
-  uploads). The alternative, a session-level multipart upload with a small
-  tail object, also needs a full read at commit to hash (parts of an open
-  multipart upload cannot be read, and the hash state cannot be saved), then a
-  server-side copy, so it saves little and has many more states to get wrong.
+- Cost: in the usual case (one process, chunks of 5 MiB or more) a staged
+  blob crosses this server once, like a monolithic PUT; S3 copies it once
+  more internally. A session-level multipart upload would save that copy
+  but needs part numbers that racing appends cannot both take, and a place
+  for chunks below S3's 5 MiB floor.
 - ``stage_abort`` deletes every object under ``uploads/<session>/`` and aborts
   any multipart upload still open there (a process killed mid-chunk).
 
@@ -145,6 +150,7 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 MIN_PART_BYTES = 5 * MiB  # S3's floor for every part but the last
 MAX_PARTS = 10_000  # S3's ceiling on parts per multipart upload
+MAX_PART_BYTES = 5 << 30  # S3's ceiling on one part (UploadPartCopy ranges included)
 DELETE_BATCH_KEYS = 1000  # S3's ceiling on keys per DeleteObjects request
 # Assembling a multi-GiB object can take minutes (moto: 7-11 s per GiB); a
 # complete cut short by the read timeout would be retried after it succeeded.
@@ -436,23 +442,80 @@ class S3Storage(Storage):
             )
 
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
-        # writer() refuses a malformed digest before anything is dropped: that is
-        # a bad request, not evidence that the staged bytes are wrong.
-        writer = self.writer(digest, staged.offset)
+        # parse_digest refuses a malformed digest before anything is dropped: that
+        # is a bad request, not evidence that the staged bytes are wrong.
+        final_key = self.key(hashing.blob_key(hashing.parse_digest(digest)))
+        chunks = self._staged_chunk_keys(staged)
+        pieces = _copy_plan(chunks)
         try:
-            for key, length in self._staged_chunk_keys(staged):
-                for data in self._read_staged_chunk(staged, key, length):
-                    writer.write(data)
-            size = writer.commit()
+            if pieces is None:  # chunks S3 cannot join server-side: stream them through
+                self._rewrite_staged(staged, chunks, digest)
+            else:
+                self._verify_staged(staged, chunks, digest)
+                self._assemble(final_key, pieces, staged)
         except (DigestInvalid, SizeInvalid):
             self.stage_abort(staged)
             raise
-        finally:
-            writer.abort()  # no-op after a successful commit
         # The blob is visible; if dropping the staging fails, Unavailable lets the
         # client retry the commit (idempotent) instead of leaking the bytes.
         self.stage_abort(staged)
-        return size
+        return staged.offset
+
+    def _verify_staged(self, staged: StagedUpload, chunks: list[tuple[str, int]], digest: str) -> None:
+        """Verify the staged stream: from the appends' hash, else by reading it back."""
+        verifier = self.staged_verifier(staged, digest)
+        if verifier is None:
+            verifier = hashing.StreamVerifier(digest, staged.offset, self.max_blob_bytes)
+            for key, length in chunks:
+                for data in self._read_staged_chunk(staged, key, length):
+                    verifier.update(data)
+        verifier.verify()
+
+    def _rewrite_staged(self, staged: StagedUpload, chunks: list[tuple[str, int]], digest: str) -> None:
+        """Stream the chunk objects in order through a verified write onto the blob key."""
+        with self.writer(digest, staged.offset) as writer:
+            for key, length in chunks:
+                for data in self._read_staged_chunk(staged, key, length):
+                    writer.write(data)
+            writer.commit()
+
+    def _assemble(self, final_key: str, pieces: list[tuple[str, int, int]], staged: StagedUpload) -> None:
+        """Join the verified chunk objects at ``final_key`` inside S3 (UploadPartCopy): no byte
+        crosses this server again. Invisible until the completion, aborted on any failure."""
+        if not pieces:  # an empty blob
+            self._put(final_key, _ViewsReader([]))
+            return
+        liveness = _Liveness()
+        upload_id = self._create_multipart(final_key, liveness)
+        try:
+            with self._active.busy(liveness), ThreadPoolExecutor(self.max_concurrency) as pool:
+                copies = [
+                    pool.submit(self._copy_part, final_key, upload_id, number, piece, staged)
+                    for number, piece in enumerate(pieces, start=1)
+                ]
+                parts = [copy.result() for copy in copies]
+                self._complete_multipart(final_key, upload_id, parts, staged.offset)
+        except BaseException:
+            self._abort_multipart(final_key, upload_id)
+            raise
+        if self._object_size(final_key) != staged.offset:
+            # A staged object shorter than recorded (tampered with): never leave it visible.
+            self.delete_key(final_key.removeprefix(self.prefix))
+            raise BlobUploadUnknown("staged bytes are missing", session_id=staged.session_id)
+
+    def _copy_part(self, key: str, upload_id: str, number: int, piece: tuple[str, int, int], staged: StagedUpload) -> dict:
+        source, start, end = piece
+        with _s3_errors("upload_part_copy"):
+            try:
+                response = self.client.upload_part_copy(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                    CopySource={"Bucket": self.bucket, "Key": source}, CopySourceRange=f"bytes={start}-{end - 1}",
+                )
+            except ClientError as exc:
+                if _is_missing(exc) or _error_code(exc)[0] == "InvalidRange":
+                    raise BlobUploadUnknown("staged bytes are missing", session_id=staged.session_id) from None
+                raise
+        return {"PartNumber": number, "ETag": response["CopyPartResult"]["ETag"]}
 
     def _staged_chunk_keys(self, staged: StagedUpload) -> list[tuple[str, int]]:
         """The chunk objects in stream order; the state must describe a gap-free stream."""
@@ -610,6 +673,20 @@ class S3Storage(Storage):
                 response = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
                 if response.get("Errors"):
                     raise Unavailable("could not delete staged objects", errors=response["Errors"][:5])
+
+
+def _copy_plan(chunks: list[tuple[str, int]]) -> list[tuple[str, int, int]] | None:
+    """The parts ``(key, start, end)`` that join the chunk objects server-side, or None when
+    S3 cannot: a chunk below 5 MiB but the last, or more than 10 000 parts. A chunk over
+    5 GiB (the largest part) is copied as several equal ranges."""
+    pieces: list[tuple[str, int, int]] = []
+    for index, (key, length) in enumerate(chunks):
+        if length < MIN_PART_BYTES and index != len(chunks) - 1:
+            return None
+        count = max(1, math.ceil(length / MAX_PART_BYTES))
+        bounds = [length * i // count for i in range(count + 1)]
+        pieces += [(key, start, end) for start, end in zip(bounds, bounds[1:])]
+    return pieces if len(pieces) <= MAX_PARTS else None
 
 
 def _stream_body(body) -> Iterator[bytes]:

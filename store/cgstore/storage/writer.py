@@ -9,7 +9,9 @@ and counts it against the declared size and the store's limit while it flows
 to the driver, and publishes only when size and digest both match; anything
 else (a mismatch, an error, an abort) discards the pending object, so nothing
 unverified is ever visible. ``LimitedStageWriter`` applies the same limit to
-the chunks of a resumable upload.
+the chunks of a resumable upload, and ``HashingStageWriter`` hashes them as
+they are staged, so a commit can verify the whole stream without reading it
+back (``hashing.StreamHashes``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import abc
 from typing import TYPE_CHECKING
 
 from cgstore.core.errors import TooLarge
-from cgstore.storage.hashing import StreamVerifier
+from cgstore.storage.hashing import STREAM_HASH_FIELD, StreamHashes, StreamVerifier
 
 if TYPE_CHECKING:  # base.py imports this module; the name is only an annotation here
     from cgstore.storage.base import StagedUpload
@@ -174,4 +176,36 @@ class LimitedStageWriter(StageWriter):
         return self._inner.finish()
 
     def abort(self) -> None:
+        self._inner.abort()
+
+
+class HashingStageWriter(StageWriter):
+    """A stage writer that continues the stream's blake3 state over the append.
+
+    The state comes from ``StreamHashes`` (none when this process does not hold
+    the one the session's recorded state names: then the append stages as
+    usual and its state names no hash). Bytes are hashed after the driver took
+    them, so the kept state covers exactly what the returned state names.
+    """
+
+    def __init__(self, inner: StageWriter, staged: StagedUpload, hashes: StreamHashes) -> None:
+        self._inner = inner
+        self._hashes = hashes
+        self._state = hashes.resume(staged.state, staged.offset)
+
+    def write(self, chunk: bytes) -> None:
+        self._inner.write(chunk)
+        if self._state is not None:
+            self._state.update(chunk)
+
+    def finish(self) -> StagedUpload:
+        staged = self._inner.finish()
+        state = {k: v for k, v in staged.state.items() if k != STREAM_HASH_FIELD}
+        if self._state is not None and self._state.size == staged.offset:
+            state[STREAM_HASH_FIELD] = self._hashes.keep(self._state)
+        staged.state = state
+        return staged
+
+    def abort(self) -> None:
+        self._state = None
         self._inner.abort()
