@@ -49,7 +49,9 @@ DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
 READ_BYTES = 1 << 20
 #: Blobs at least this large go through a resumable upload session rather than one PUT.
 CHUNKED_THRESHOLD = 64 << 20
-CHUNK_BYTES = 32 << 20
+#: One PATCH of a session. At most the store's S3 part size (16 MiB by default), so
+#: each chunk is staged as one object: no multipart join per chunk, only the final one.
+CHUNK_BYTES = 16 << 20
 #: Bound on blobs moving at once (uploads in a publish, downloads in a load).
 PARALLEL_TRANSFERS = 4
 MAX_MISSING_BATCH = 1024

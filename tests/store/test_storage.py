@@ -420,12 +420,13 @@ def another_process(case: StorageCase):
 
 
 def count_s3_calls(case: StorageCase, *operations: str) -> dict[str, int]:
-    """Live counts of the S3 operations this storage's client sends (botocore's own event hooks)."""
+    """Live counts of the S3 operations this storage's clients send (botocore's own event hooks)."""
     counts = dict.fromkeys(operations, 0)
     for operation in operations:
         def count(operation=operation, **_):
             counts[operation] += 1
-        case.storage.client.meta.events.register(f"before-call.s3.{operation}", count)
+        for client in (case.storage.client, case.storage._complete_client):
+            client.meta.events.register(f"before-call.s3.{operation}", count)
     return counts
 
 

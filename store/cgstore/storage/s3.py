@@ -78,10 +78,12 @@ misconfiguration raise ``Unavailable``; a missing object raises
 with short connect timeouts and two retries, so a dead store surfaces within
 seconds.
 
-``CompleteMultipartUpload`` is the exception to short timeouts: assembling a
-big object can take longer than the normal read timeout (moto needs 7-11 s for
-1 GiB), after which botocore would retry a complete that already happened. It
-therefore runs on a second client with ``COMPLETE_READ_TIMEOUT_S``, and it is
+``CompleteMultipartUpload`` and ``UploadPartCopy`` are the exceptions to short
+timeouts: assembling a big object, or copying a part of up to 5 GiB inside S3,
+can take longer than the normal read timeout (moto needs 7-11 s to complete
+1 GiB), after which botocore would retry a call that already happened. They
+therefore run on a second client with ``COMPLETE_READ_TIMEOUT_S``. A part copy
+retried is harmless (the same part number from the same source); the complete is
 idempotent: if it fails (``NoSuchUpload`` because an earlier attempt finished
 it, a 5xx or a timeout after the retries), an object already at the key with
 the verified size is accepted. That is sound because every key we complete is
@@ -296,7 +298,7 @@ class S3Storage(Storage):
         # A session per storage: boto3's default session is not thread-safe to build clients from.
         session = boto3.session.Session()
         self.client = session.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
-        # Only CompleteMultipartUpload may take minutes to answer (see the module docstring).
+        # Only CompleteMultipartUpload and UploadPartCopy may take minutes (see the module docstring).
         self._complete_client = session.client(
             "s3",
             endpoint_url=endpoint_url,
@@ -507,7 +509,7 @@ class S3Storage(Storage):
         source, start, end = piece
         with _s3_errors("upload_part_copy"):
             try:
-                response = self.client.upload_part_copy(
+                response = self._complete_client.upload_part_copy(
                     Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
                     CopySource={"Bucket": self.bucket, "Key": source}, CopySourceRange=f"bytes={start}-{end - 1}",
                 )
