@@ -199,3 +199,32 @@ def test_connections_over_the_limit_are_a_json_503(make_store):
     assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
     assert _error_code(answer) == "UNAVAILABLE"
     assert b"\r\nRetry-After: " in answer
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS)
+def test_uploads_declared_past_the_size_limit_are_refused_before_their_body(make_store, configuration):
+    """A PUT or PATCH whose declared length passes ``CGSTORE_MAX_BLOB_BYTES`` is answered 413
+    at once and the connection closed: its body (never sent past a hundred bytes) is not
+    waited for, and nothing is staged."""
+    live = make_store(configuration, max_blob_bytes=DECLARED - 1, body_idle_timeout_s=30.0, keep_alive_timeout_s=30.0)
+    name = unique_repo()
+    token = live.mint("alice", f"acme/{name}:read,write")
+    base = f"/v1/repos/acme/{name}"
+    with live.client(token) as client:
+        location = client.post(f"{base}/uploads").headers["location"]
+        assert client.patch(location, content=b"c" * 10, headers={"Content-Range": "0-9"}).status_code == 202
+    started = time.monotonic()
+    stalled = [
+        _stall(live, "PUT", f"{base}/blobs/{digest_of(b'never sent')}", token),
+        _stall(live, "PATCH", location, token, extra=f"Content-Range: 10-{10 + DECLARED - 1}\r\n"),
+    ]
+    for sock in stalled:
+        answer = _read_answer(sock, timeout_s=10)  # until the server closes the connection
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+        assert _error_code(answer) == "TOO_LARGE"
+    assert time.monotonic() - started < 5  # far below the 30 s idle and keep-alive timeouts
+    assert _staged_bytes(live.context.storage, location.rsplit("/", 1)[1]) == 10
+    with live.client(token) as client:
+        assert client.get(location).headers["upload-offset"] == "10"
+        assert client.head(f"{base}/blobs/{digest_of(b'never sent')}").status_code == 404

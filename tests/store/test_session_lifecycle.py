@@ -60,9 +60,9 @@ def test_two_chunks_racing_at_one_offset_never_both_land(store, monkeypatch):
     class RacingWriter:
         """The real stage writer; its finish waits until both chunks are staged."""
 
-        def __init__(self, staged) -> None:
+        def __init__(self, staged, length=None) -> None:
             serial.acquire()
-            self._inner = real_stage_writer(staged)
+            self._inner = real_stage_writer(staged, length)
             self._holding = True
 
         def write(self, chunk: bytes) -> None:

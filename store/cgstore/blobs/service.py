@@ -346,8 +346,9 @@ def append(
     expected = None if content_range is None else content_range[1] - content_range[0]
     received = 0
     before = StagedUpload(found.id, found.offset, found.storage_state)
-    # The store's size limit is storage's to apply: its stage writer refuses past it.
-    with ctx.storage.stage_writer(before) as writer:
+    # The store's size limit is storage's to apply: its stage writer refuses a
+    # declared length past it at once (before the body is read), bytes as they come.
+    with ctx.storage.stage_writer(before, expected) as writer:
         while (chunk := (yield)) is not None:
             received += len(chunk)
             if expected is not None and received > expected:

@@ -83,8 +83,22 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 NO_BODY = {"description": "no body: the status and headers are the answer"}
 
 
-def error_response(err: StoreError) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=err.status, headers=err.headers())
+def error_response(err: StoreError, request: Request | None = None) -> JSONResponse:
+    """The protocol's error body. A refusal sent before the request body was read closes the
+    connection (RFC 9112 §9.6): the client may still be sending a body nobody will read, and
+    must not wait for the keep-alive timeout to learn that the answer is final."""
+    response = JSONResponse(error_body(err), status_code=err.status, headers=err.headers())
+    if request is not None and _body_unread(request):
+        response.headers["connection"] = "close"
+    return response
+
+
+def _body_unread(request: Request) -> bool:
+    """Whether the request announced a body that ``body_batches`` has not read to its end."""
+    if getattr(request.state, "body_read", False):
+        return False
+    declared = request.headers.get("content-length", "0").strip()
+    return "transfer-encoding" in request.headers or declared not in ("", "0")
 
 
 def _is_denial(err: StoreError) -> bool:
@@ -101,27 +115,27 @@ def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) ->
         if isinstance(err, Unavailable):
             # The cause (paths, endpoints) is for the operator's log, never the client's body.
             log.warning("unavailable: %s (%s)", err.message, err.__cause__)
-        return error_response(err)
+        return error_response(err, request)
 
     @app.exception_handler(CgstoreError)
     async def contract_refusal(request: Request, err: CgstoreError) -> JSONResponse:
         # A refusal of the client package's contract code (archive reader, key
         # derivation) that a service did not translate itself: still its protocol code.
-        return error_response(from_client_error(err))
+        return error_response(from_client_error(err), request)
 
     @app.exception_handler(sqlalchemy.exc.OperationalError)
     @app.exception_handler(sqlalchemy.exc.InterfaceError)
     @app.exception_handler(sqlalchemy.exc.TimeoutError)
     async def database_down(request: Request, err: Exception) -> JSONResponse:
         log.warning("database unavailable: %s", err)
-        return error_response(Unavailable("the database is not answering; retry later"))
+        return error_response(Unavailable("the database is not answering; retry later"), request)
 
     @app.exception_handler(sqlalchemy.exc.DBAPIError)
     async def database_error(request: Request, err: sqlalchemy.exc.DBAPIError) -> JSONResponse:
         if err.connection_invalidated:
-            return error_response(Unavailable("the database connection was lost; retry later"))
+            return error_response(Unavailable("the database connection was lost; retry later"), request)
         log.exception("database error", exc_info=err)
-        return error_response(StoreError("internal database error"))
+        return error_response(StoreError("internal database error"), request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -287,6 +301,7 @@ async def body_batches(request: Request, batch_bytes: int = BODY_BATCH_BYTES) ->
             with anyio.fail_after(idle_s):
                 chunk = await anext(stream)
         except StopAsyncIteration:
+            request.state.body_read = True  # an error answered now may keep the connection
             break
         except TimeoutError:
             raise RequestTimeout(f"the request body sent nothing for {idle_s:g} s", idle_timeout_s=idle_s) from None

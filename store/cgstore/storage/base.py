@@ -170,11 +170,13 @@ class Storage(ObjectStore):
     def stage_begin(self, session_id: str) -> StagedUpload:
         """Prepare empty staging for a new upload session."""
 
-    def stage_writer(self, staged: StagedUpload) -> StageWriter:
+    def stage_writer(self, staged: StagedUpload, length: int | None = None) -> StageWriter:
         """Start appending a chunk at ``staged.offset``; ``finish`` returns the new state.
 
         The store's size limit is applied here, once for every driver
-        (``writer.LimitedStageWriter``).
+        (``writer.LimitedStageWriter``): to the declared ``length`` before
+        anything is staged (``TooLarge`` at once, so the caller can answer
+        without reading a body it would refuse), then to the bytes as they come.
 
         If the stream fails midway (the client went away, the chunk passed the
         size limit, or the caller aborts the writer because the chunk broke its
@@ -187,6 +189,7 @@ class Storage(ObjectStore):
         state names, and bytes named by no recorded state (a lost race, a
         crashed process) are reclaimed by ``stage_commit`` / ``stage_abort``.
         """
+        LimitedStageWriter.refuse_declared(staged.offset, length, self.max_blob_bytes)
         limited = LimitedStageWriter(self._stage_writer(staged), staged.offset, self.max_blob_bytes)
         return HashingStageWriter(limited, staged, self.stream_hashes)
 

@@ -34,7 +34,8 @@ bytes a winner's follow (reclaimed at commit).
 ``stage_commit`` verifies the live extents: from the hash the appends kept
 when this process made them all (``base.Storage.staged_verifier``), else by
 reading them back (streaming). In the usual case they are contiguous from
-byte 0: the dead tail is cut and the file is renamed into ``blobs/``. Otherwise the live extents are copied through a verified write.
+byte 0: the dead tail is cut and the file is renamed into ``blobs/``.
+Otherwise the live extents are copied through a verified write.
 The lock also keeps a late append from writing into a file that a commit has
 just renamed into ``blobs/``: after locking, an append checks that the path
 still names its file.

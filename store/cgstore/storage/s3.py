@@ -38,15 +38,15 @@ memoryview body and ``io.BytesIO`` would copy it.
 Staged uploads (resumable sessions)
 -----------------------------------
 S3 parts must be ≥ 5 MiB except the last, but a PATCH chunk can be any size,
-and any server process may serve the next PATCH. The design taken: every PATCH chunk becomes its own
-object ``uploads/<session>/<offset:016d>-<random>`` (written with the same
-streaming upload, so a huge chunk is itself a multipart upload and a small one
-a single PUT); the session state records ``[offset, length, name]`` of every
-chunk. The random part matters: the caller records a new offset by
-compare-and-set after ``stage_append`` returns, so two racing appends at one
-offset must not overwrite each other's object; the loser's is deleted
-(``stage_discard``), and a chunk refused mid-stream (shorter or longer than its
-Content-Range) never becomes an object at all.
+and any server process may serve the next PATCH. The design taken: every PATCH
+chunk becomes its own object ``uploads/<session>/<offset:016d>-<random>``
+(written with the same streaming upload, so a huge chunk is itself a multipart
+upload and a small one a single PUT); the session state records ``[offset,
+length, name]`` of every chunk. The random part matters: the caller records a
+new offset by compare-and-set after ``stage_append`` returns, so two racing
+appends at one offset must not overwrite each other's object; the loser's is
+deleted (``stage_discard``), and a chunk refused mid-stream (shorter or longer
+than its Content-Range) never becomes an object at all.
 
 ``stage_commit`` verifies the stream first: from the blake3 state the appends
 kept when this process served them all (``base.Storage.staged_verifier``),
@@ -64,9 +64,13 @@ are streamed through a verifying ``writer()`` onto the final key instead.
   works.
 - Cost: in the usual case (one process, chunks of 5 MiB or more) a staged
   blob crosses this server once, like a monolithic PUT; S3 copies it once
-  more internally. A session-level multipart upload would save that copy
-  but needs part numbers that racing appends cannot both take, and a place
-  for chunks below S3's 5 MiB floor.
+  more internally. Uploading chunks as parts of the final multipart upload
+  would save that copy, but the parts of an open upload cannot be read: a
+  commit on another process (which lacks this one's blake3 state, and the
+  Python binding cannot serialize it) could not verify them before they
+  became visible. It would also need part numbers racing appends cannot both
+  take (a part replaced by one with the same MD5, its ETag, would complete
+  unnoticed) and a place for chunks below S3's 5 MiB floor.
 - ``stage_abort`` deletes every object under ``uploads/<session>/`` and aborts
   any multipart upload still open there (a process killed mid-chunk).
 
@@ -468,18 +472,20 @@ class S3Storage(Storage):
         verifier = self.staged_verifier(staged, digest)
         if verifier is None:
             verifier = hashing.StreamVerifier(digest, staged.offset, self.max_blob_bytes)
-            for key, length in chunks:
-                for data in self._read_staged_chunk(staged, key, length):
-                    verifier.update(data)
+            for data in self._staged_bytes(staged, chunks):
+                verifier.update(data)
         verifier.verify()
 
     def _rewrite_staged(self, staged: StagedUpload, chunks: list[tuple[str, int]], digest: str) -> None:
         """Stream the chunk objects in order through a verified write onto the blob key."""
         with self.writer(digest, staged.offset) as writer:
-            for key, length in chunks:
-                for data in self._read_staged_chunk(staged, key, length):
-                    writer.write(data)
+            for data in self._staged_bytes(staged, chunks):
+                writer.write(data)
             writer.commit()
+
+    def _staged_bytes(self, staged: StagedUpload, chunks: list[tuple[str, int]]) -> Iterator[bytes]:
+        for key, length in chunks:
+            yield from self._read_staged_chunk(staged, key, length)
 
     def _assemble(self, final_key: str, pieces: list[tuple[str, int, int]], staged: StagedUpload) -> None:
         """Join the verified chunk objects at ``final_key`` inside S3 (UploadPartCopy): no byte
