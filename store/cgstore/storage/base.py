@@ -35,7 +35,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cgstore.core.errors import BlobUnknown
-from cgstore.storage.hashing import StreamHashes, StreamVerifier, blob_key, check_range, parse_digest
+from cgstore.storage.hashing import (
+    StreamHashes,
+    StreamVerifier,
+    blob_key,
+    check_range,
+    parse_digest,
+    refuse_past_limit,
+)
 from cgstore.storage.writer import (
     BlobWriter,
     HashingStageWriter,
@@ -189,7 +196,7 @@ class Storage(ObjectStore):
         state names, and bytes named by no recorded state (a lost race, a
         crashed process) are reclaimed by ``stage_commit`` / ``stage_abort``.
         """
-        LimitedStageWriter.refuse_declared(staged.offset, length, self.max_blob_bytes)
+        refuse_past_limit(None if length is None else staged.offset + length, self.max_blob_bytes)
         limited = LimitedStageWriter(self._stage_writer(staged), staged.offset, self.max_blob_bytes)
         return HashingStageWriter(limited, staged, self.stream_hashes)
 

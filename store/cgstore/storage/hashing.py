@@ -63,6 +63,12 @@ def check_range(start: int, end: int | None) -> None:
         raise ValueError(f"invalid byte range [{start}, {end})")
 
 
+def refuse_past_limit(declared: int | None, max_bytes: int | None) -> None:
+    """``TooLarge`` when a declared size passes the store's limit (before any byte is read)."""
+    if declared is not None and max_bytes is not None and declared > max_bytes:
+        raise TooLarge("blob exceeds the store's size limit", size=declared, limit=max_bytes)
+
+
 class StreamVerifier:
     """Hashes and counts a stream, then says whether it is the promised blob.
 
@@ -82,8 +88,7 @@ class StreamVerifier:
         self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
         if expected_size is not None and expected_size < 0:
             raise SizeInvalid("size must not be negative", expected=expected_size)
-        if expected_size is not None and max_bytes is not None and expected_size > max_bytes:
-            raise TooLarge("blob exceeds the store's size limit", size=expected_size, limit=max_bytes)
+        refuse_past_limit(expected_size, max_bytes)
 
     def update(self, chunk: bytes | bytearray | memoryview) -> None:
         new_size = self.size + len(chunk)
@@ -96,9 +101,9 @@ class StreamVerifier:
 
     @classmethod
     def resumed(cls, digest: str, state: StreamState, max_bytes: int | None = None) -> StreamVerifier:
-        """A verifier that has already seen the ``state.size`` bytes ``state`` hashed."""
+        """A verifier that has already seen the ``state.size`` bytes ``state`` hashed (and now owns it)."""
         verifier = cls(digest, state.size, max_bytes)
-        verifier._hasher, verifier.size = state.hasher.copy(), state.size
+        verifier._hasher, verifier.size = state.hasher, state.size
         return verifier
 
     def verify(self) -> None:

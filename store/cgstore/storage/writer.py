@@ -165,12 +165,6 @@ class LimitedStageWriter(StageWriter):
         self._total = offset
         self._limit = limit
 
-    @staticmethod
-    def refuse_declared(offset: int, length: int | None, limit: int | None) -> None:
-        """``TooLarge`` when an append declared to be ``length`` bytes would pass the limit."""
-        if length is not None and limit is not None and offset + length > limit:
-            raise TooLarge("blob exceeds the store's size limit", size=offset + length, limit=limit)
-
     def write(self, chunk: bytes) -> None:
         self._total += len(chunk)
         if self._limit is not None and self._total > self._limit:
