@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: serve test conformance bench install install-dev clean
+.PHONY: serve test fuzz soak conformance bench bench-deps chromium install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,15 +32,33 @@ serve: install
 
 # The test session itself starts PostgreSQL if it is down, creates and drops its own
 # database, and runs moto_server on a free loopback port (tests/support/services.py).
-test: install-dev
-	$(PY) -m pytest --junitxml=.test-results/junit.xml $(PYTEST_ARGS)
+# Long fuzz and soak runs are marked and left to their own targets (CI runs `make test`).
+test: install-dev chromium
+	$(PY) -m pytest -m "not fuzz and not soak" --durations=20 --junitxml=.test-results/junit.xml $(PYTEST_ARGS)
+
+fuzz: install-dev
+	$(PY) -m pytest -m fuzz $(PYTEST_ARGS)
+
+soak: install-dev
+	$(PY) -m pytest -m soak $(PYTEST_ARGS)
+
+# The console's browser tests drive Debian's chromium; installed from apt when root and absent.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	  || echo "chromium is absent and this is not root: browser tests will fail"; }
 
 # Certify a deployment: CGSTORE_URL=https://… CGSTORE_ADMIN_TOKEN=… make conformance
 # (without CGSTORE_URL it runs against the three local deployments, as `make test` does).
 conformance: install-dev
 	$(PY) -m pytest tests/conformance --junitxml=conformance.xml $(PYTEST_ARGS)
 
-bench: install-dev
+# Tools the network benchmark compares against (Debian packages).
+bench-deps:
+	@command -v aria2c >/dev/null 2>&1 && command -v curl >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq aria2 curl >/dev/null)
+
+bench: install-dev bench-deps
 	@set -e; for script in bench/*.py; do \
 	  case $$script in bench/_*) continue;; esac; \
 	  echo "== $$script"; $(PY) $$script; done
