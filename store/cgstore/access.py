@@ -57,6 +57,13 @@ Attenuating (``POST /v1/tokens/attenuate``)
     later than the parent's; ``plt`` only if the parent has it. Anything wider:
     403 ``DENIED`` naming every part that was wider. ``admin`` is an action like
     any other: a child holds it only where the parent did.
+  - A wildcard owner stays "the holder's own owners" through any attenuation:
+    a child grant naming an owner literally with ``write`` or ``admin`` is
+    covered by a parent's wildcard owner only when the principal holds that
+    owner (the parent could write there itself). Otherwise the literal name
+    would be authority (see Writing) that no ancestor had.
+  - The chain stays within ``MAX_CHAIN_DEPTH`` tokens: a deeper child would
+    never verify, so it is refused (400) rather than minted.
 """
 
 from __future__ import annotations
@@ -219,10 +226,15 @@ def is_admin(claims: Claims) -> Decision:
 
 
 def can_attenuate(
-    parent: Claims, grants: tuple[Grant, ...], *, exp: int, plt: bool
+    parent: Claims, grants: tuple[Grant, ...], *, exp: int, plt: bool, held_owners: frozenset[str]
 ) -> Decision:
-    """A child with ``grants``, ``exp`` and ``plt`` must be no wider than ``parent`` in any part."""
-    wider = [f"grant {g.to_cli()}" for g in grants if not is_subset((g,), parent.grants)]
+    """A child with ``grants``, ``exp`` and ``plt`` must be no wider than ``parent`` in any part.
+
+    ``held_owners``: the owners ``parent.sub`` holds among those the child names literally.
+    """
+    wider = [
+        f"grant {g.to_cli()}" for g in grants if not is_subset((g,), parent.grants, held_owners=held_owners)
+    ]
     if exp > parent.exp:
         wider.append(f"exp {exp} is later than the parent's {parent.exp}")
     if plt and not parent.plt:

@@ -9,8 +9,10 @@ calling principal with ``POST /v1/owners``; the reserved slugs never can be
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -80,6 +82,15 @@ def holder(session: Session, slug: str) -> str | None:
     """The principal holding owner ``slug``, or None when nobody claimed it."""
     owner = session.get(Owner, slug)
     return owner.principal if owner is not None else None
+
+
+def held_by(session: Session, principal: str, slugs: Iterable[str]) -> frozenset[str]:
+    """Which of ``slugs`` ``principal`` holds (a slug's holder never changes once claimed)."""
+    slugs = list(slugs)
+    if not slugs:
+        return frozenset()
+    rows = session.scalars(select(Owner.slug).where(Owner.slug.in_(slugs), Owner.principal == principal))
+    return frozenset(rows)
 
 
 def claim_owner(db: Database, claims: Claims, slug: object) -> OwnerInfo:

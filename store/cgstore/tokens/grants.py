@@ -24,7 +24,7 @@ Matching rules, each one closing a hole:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -225,25 +225,51 @@ def grant_allows_owner(grants: Iterable[Grant], owner: str, action: str) -> bool
 # -- attenuation ---------------------------------------------------------------
 
 
-def is_subset(child: Iterable[Grant], parent: Iterable[Grant]) -> bool:
+# Actions where a grant naming an owner literally is authority of its own
+# (``access.can_write``: a literal owner is written under whoever holds it),
+# while a wildcard owner reaches only the holder's own owners.
+LITERAL_OWNER_ACTIONS = frozenset({WRITE, ADMIN})
+
+
+def is_subset(child: Iterable[Grant], parent: Iterable[Grant], *, held_owners: Collection[str] = ()) -> bool:
     """Whether ``child`` allows nothing that ``parent`` does not.
 
     Checked per (child grant, action): some single parent grant must hold the
     action and cover the child's pattern. Coverage is decided conservatively
     (``_part_covered``): a child that *might* be narrower but is not provably
-    so is refused, never let through.
+    so is refused, never let through. ``held_owners`` are the owners the
+    token's principal holds (attenuation keeps the principal): only under
+    those does a parent's wildcard owner cover a literal one for
+    ``LITERAL_OWNER_ACTIONS`` (``_owner_covered``).
     """
     parent = tuple(parent)
     return all(
         any(
             action in p.effective_actions
-            and _part_covered(c.owner_pattern, p.owner_pattern, owner_pattern_matches)
+            and _owner_covered(c.owner_pattern, p.owner_pattern, action, held_owners)
             and _part_covered(c.repo_pattern, p.repo_pattern, repo_pattern_matches)
             for p in parent
         )
         for c in child
         for action in c.actions
     )
+
+
+def _owner_covered(child: str, parent: str, action: str, held_owners: Collection[str]) -> bool:
+    """Whether the parent's owner pattern covers the child's for ``action``.
+
+    A wildcard owner means "the holder's own owners" and must keep meaning it
+    through any attenuation: were ``*`` to cover ``victim`` for ``write``, the
+    child's literal ``victim`` would be authority the parent never had.
+    """
+    if action in LITERAL_OWNER_ACTIONS and is_glob(parent) and not is_glob(child) and child not in held_owners:
+        return False
+    return _part_covered(child, parent, owner_pattern_matches)
+
+
+def literal_owners(grants: Iterable[Grant]) -> frozenset[str]:
+    """The owners ``grants`` name literally (the ones whose holder attenuation must know)."""
+    return frozenset(g.owner_pattern for g in grants if not is_glob(g.owner_pattern))
 
 
 def _part_covered(child: str, parent: str, matches) -> bool:

@@ -42,7 +42,7 @@ from cgstore.access import can_attenuate
 from cgstore.audit.service import record
 from cgstore.core.db import Database
 from cgstore.core.errors import BadRequest, NameUnknown, TokenInvalid
-from cgstore.owners.service import upsert_principal
+from cgstore.owners.service import held_by, upsert_principal
 from cgstore.settings import Settings
 from cgstore.tokens.claims import (
     ALGORITHM,
@@ -56,7 +56,7 @@ from cgstore.tokens.claims import (
     valid_jti,
     valid_sub,
 )
-from cgstore.tokens.grants import Grant, GrantInvalid, grants_to_json, parse_grants
+from cgstore.tokens.grants import Grant, GrantInvalid, grants_to_json, literal_owners, parse_grants
 from cgstore.tokens.keys import KID_LEN, KeyRing, KeyRow
 from cgstore.tokens.models import TokenRecord
 
@@ -166,12 +166,19 @@ class TokenService:
             raise BadRequest("platform must be true, false or absent")
         plt = parent.plt if platform is None else platform
         exp = self.now() + ttl_s
-        can_attenuate(parent, parsed, exp=exp, plt=plt).enforce()
+        with self._db.session() as session:
+            held = held_by(session, parent.sub, literal_owners(parsed))
+        can_attenuate(parent, parsed, exp=exp, plt=plt, held_owners=held).enforce()
         with self._db.session() as session:
             # The parent may have been revoked since it was verified; a child
             # recorded anyway would be invalid (verify walks ancestors), but
             # refusing here gives the caller the honest answer now.
-            self._check_chain(session, parent.jti)
+            if self._check_chain(session, parent.jti) >= MAX_CHAIN_DEPTH:
+                raise BadRequest(
+                    f"the parent token is already at the chain depth limit ({MAX_CHAIN_DEPTH} tokens): "
+                    "a child of it would never verify",
+                    max_chain_depth=MAX_CHAIN_DEPTH,
+                )
             minted = self._issue(session, parent.sub, parsed, exp, plt, parent.jti)
             _audit(session, parent, "token.attenuate", minted, parent=parent.jti)
             return minted
@@ -347,8 +354,11 @@ class TokenService:
         )
 
     @staticmethod
-    def _check_chain(session: Session, jti: str) -> None:
-        """The token is recorded and no token in its chain is revoked (``_check_chain_rows``)."""
+    def _check_chain(session: Session, jti: str) -> int:
+        """The token is recorded and no token in its chain is revoked (``_check_chain_rows``).
+
+        Returns the chain's length (the token and its ancestors).
+        """
         chain: list[TokenRecord] = []
         record_ = session.get(TokenRecord, jti)
         while record_ is not None and len(chain) <= MAX_CHAIN_DEPTH:
@@ -359,6 +369,7 @@ class TokenService:
         if not chain:
             raise TokenInvalid("unknown token (not issued by this store, or its record is gone)")
         _check_chain_rows(chain, jti)
+        return len(chain)
 
     # -- revoking and listing --------------------------------------------------------
 
