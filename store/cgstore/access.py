@@ -63,7 +63,8 @@ Attenuating (``POST /v1/tokens/attenuate``)
     owner (the parent could write there itself). Otherwise the literal name
     would be authority (see Writing) that no ancestor had.
   - The chain stays within ``MAX_CHAIN_DEPTH`` tokens: a deeper child would
-    never verify, so it is refused (400) rather than minted.
+    never verify, so it is refused (400) rather than minted (checked by the
+    tokens service, which walks the stored chain).
 """
 
 from __future__ import annotations
