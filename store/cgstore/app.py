@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import anyio.to_thread
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
 from cgstore import __version__
@@ -98,7 +99,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await _flush_denials(ctx)
             ctx.db.dispose()
 
-    app = FastAPI(title="cgstore", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
+    # /docs serves Swagger UI 5 (OpenAPI 3.1) from the store itself: GPU clusters are often
+    # air-gapped, and FastAPI's default page loads it from a CDN. ReDoc is not served.
+    app = FastAPIOffline(
+        title="cgstore", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES,
+        redoc_url=None, static_url="/docs-static",
+    )
     app.state.context = ctx
     install_error_handlers(app, on_denial=audit_denial)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
