@@ -108,7 +108,13 @@ def _is_denial(err: StoreError) -> bool:
 
 
 def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) -> None:
-    """Map every error to the protocol's body; refusals also go to ``on_denial`` (the audit)."""
+    """Map every error to the protocol's body; refusals also go to ``on_denial`` (the audit).
+
+    Call before adding the metrics middleware, so that it counts the last resort's 500s.
+    """
+    # Not ``exception_handler(Exception)``: Starlette re-raises after that handler answers,
+    # so the server logs the traceback twice and drops the keep-alive connection.
+    app.add_middleware(LastResort)
 
     @app.exception_handler(StoreError)
     async def store_error(request: Request, err: StoreError) -> JSONResponse:
@@ -138,11 +144,6 @@ def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) ->
             return error_response(Unavailable("the database connection was lost; retry later"), request)
         return internal_error(request, err)
 
-    @app.exception_handler(Exception)
-    async def unhandled(request: Request, err: Exception) -> JSONResponse:
-        # The last resort (Starlette's outermost middleware calls it): still the protocol's body.
-        return internal_error(request, err)
-
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
         return error_response(BadRequest("request does not match the schema", errors=_plain_errors(err.errors())))
@@ -157,6 +158,31 @@ def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) ->
         code = _HTTP_CODES.get(err.status_code, "BAD_REQUEST")
         body = {"error": {"code": code, "message": str(err.detail), "detail": {}}}
         return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
+
+
+class LastResort:
+    """Pure ASGI middleware: an exception no handler took still answers 500 ``INTERNAL`` as JSON."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as err:
+            if started:
+                raise  # half an answer is out: only dropping the connection tells the client
+            await internal_error(Request(scope, receive), err)(scope, receive, send)
 
 
 def internal_error(request: Request, err: Exception) -> JSONResponse:
