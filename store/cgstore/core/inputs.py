@@ -1,7 +1,7 @@
 """The one input rule for request text: what may reach the database, checked before any query.
 
-Every JSON body (``core.http.read_json``) and every query and path value (the
-app-wide ``refuse_unstorable_parameters`` dependency) passes ``check_text``.
+Every JSON body (``core.http.read_json``) and every query value (the app-wide
+``refuse_unstorable_parameters`` dependency) passes ``check_text``.
 Two kinds of character are refused with 400 ``BAD_REQUEST``:
 
 - NUL (``\\x00``): PostgreSQL cannot store it in ``text`` or ``jsonb`` and fails
@@ -40,9 +40,11 @@ def check_text(value: Any, where: str) -> None:
 
 
 async def refuse_unstorable_parameters(request: Request) -> None:
-    """App-wide dependency: query names and values and path values obey ``check_text`` before any route runs."""
+    """App-wide dependency: query names and values obey ``check_text`` before any route runs.
+
+    Path values are left to each route's grammar (names, digests, keys, ids): a
+    refused one must still answer as the route does (a 401/403 first, audited).
+    """
     for name, value in request.query_params.multi_items():
         check_text(name, "query")
         check_text(value, f"query parameter {name[:_NAME_CHARS]!r}")
-    for name, value in request.path_params.items():
-        check_text(value, f"path parameter {name!r}")
