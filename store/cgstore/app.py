@@ -101,7 +101,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(
         title="cgstore", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES,
-        # The one input rule for query and path text, checked before any route's own work.
+        # The one input rule for query text (core/inputs.py), checked before any route's own work.
         dependencies=[Depends(refuse_unstorable_parameters)],
     )
     app.state.context = ctx

@@ -209,7 +209,7 @@ async def read_json(request: Request, model: type[Model], max_bytes: int) -> Mod
     try:
         # Strictly UTF-8 (json.loads would guess UTF-16 from bytes), then the client's strict
         # parser: a body two parsers could read differently is refused, never judged one way.
-        document = strict_json_loads(bytes(body or b"null").decode("utf-8"))
+        document = strict_json_loads((body or b"null").decode("utf-8"))
         check_text(document, "request body")
         return model.model_validate(document)
     except (ValueError, RecursionError) as err:
