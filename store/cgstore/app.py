@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import anyio.to_thread
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
@@ -23,6 +23,7 @@ from cgstore.core.db import Database
 from cgstore.compiled_graphs.router import repo_router as compiled_graphs_router
 from cgstore.compiled_graphs.router import resolve_router as compiled_graphs_resolve_router
 from cgstore.core.http import ERROR_RESPONSES, install_error_handlers, install_request_schemas
+from cgstore.core.inputs import refuse_unstorable_parameters
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.core.private import private_dir
 from cgstore.health.router import router as health_router
@@ -104,6 +105,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPIOffline(
         title="cgstore", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES,
         redoc_url=None, static_url="/docs-static",
+        # The one input rule for query text (core/inputs.py), checked before any route's own work.
+        dependencies=[Depends(refuse_unstorable_parameters)],
     )
     app.state.context = ctx
     install_error_handlers(app, on_denial=audit_denial)

@@ -72,11 +72,13 @@ def test_malformed_digest_in_path_query_and_body_is_digest_invalid(store, repo, 
         mount = client.post(f"/v1/repos/acme/{name}/blobs/{bad}:mount", params={"from": f"acme/{name}"})
         assert_error(mount, 400, "DIGEST_INVALID")
         location = client.post(f"/v1/repos/acme/{name}/uploads").headers["location"]
-        # The query string is sent raw, so %00 arrives as a NUL byte.
-        assert_error(client.put(f"{location}?digest={bad}"), 400, "DIGEST_INVALID")
+        # The query string is sent raw, so %00 arrives as a NUL byte: in a query value or a
+        # JSON body, the one input rule (core/inputs.py) refuses it before any digest grammar.
+        text_code = "BAD_REQUEST" if "%00" in bad else "DIGEST_INVALID"
+        assert_error(client.put(f"{location}?digest={bad}"), 400, text_code)
         nul = bad.replace("%00", "\x00")
         missing = client.post(f"/v1/repos/acme/{name}/blobs:missing", json={"digests": [nul]})
-        assert_error(missing, 400, "DIGEST_INVALID")
+        assert_error(missing, 400, text_code)
 
 
 @pytest.mark.parametrize("bad", ["ac%00me", "%C3%A1cme", "a" * 5000])
@@ -88,4 +90,5 @@ def test_malformed_names_are_name_invalid(store, bad):
         assert_error(client.get(f"/v1/repos/acme/{bad}/blobs/{digest}"), 400, "NAME_INVALID")
         assert_error(client.post(f"/v1/repos/acme/{bad}/uploads"), 400, "NAME_INVALID")
         mount = client.post(f"/v1/repos/acme/r/blobs/{digest}:mount?from=acme/{bad}")
-        assert_error(mount, 400, "NAME_INVALID")
+        # A NUL in a query value meets the one input rule first (core/inputs.py).
+        assert_error(mount, 400, "BAD_REQUEST" if "%00" in bad else "NAME_INVALID")

@@ -3,7 +3,8 @@
 ``install_error_handlers`` is the single place where exceptions become
 responses: ``StoreError`` subclasses carry their protocol code and status;
 database and storage outages become 503 ``UNAVAILABLE`` with ``Retry-After``;
-request validation failures become 400 with the protocol's error body. Refusals
+request validation failures become 400 with the protocol's error body; anything
+else is the last resort, 500 ``INTERNAL`` without detail (logged and counted). Refusals
 (401, 403, and 404s that hide a denial) are handed to the ``on_denial`` hook the
 app installs (the audit feature's), so ``core`` imports no feature.
 
@@ -15,7 +16,6 @@ memory, never a worker thread.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import anyio
 import sqlalchemy.exc
 from cgstore_client.errors import CgstoreError
+from cgstore_client.keys import strict_json_loads
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -43,6 +44,7 @@ from cgstore.core.errors import (
     error_body,
     from_client_error,
 )
+from cgstore.core.inputs import check_text
 
 log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
@@ -106,7 +108,13 @@ def _is_denial(err: StoreError) -> bool:
 
 
 def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) -> None:
-    """Map every error to the protocol's body; refusals also go to ``on_denial`` (the audit)."""
+    """Map every error to the protocol's body; refusals also go to ``on_denial`` (the audit).
+
+    Call before adding the metrics middleware, so that it counts the last resort's 500s.
+    """
+    # Not ``exception_handler(Exception)``: Starlette re-raises after that handler answers,
+    # so the server logs the traceback twice and drops the keep-alive connection.
+    app.add_middleware(LastResort)
 
     @app.exception_handler(StoreError)
     async def store_error(request: Request, err: StoreError) -> JSONResponse:
@@ -134,8 +142,7 @@ def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) ->
     async def database_error(request: Request, err: sqlalchemy.exc.DBAPIError) -> JSONResponse:
         if err.connection_invalidated:
             return error_response(Unavailable("the database connection was lost; retry later"), request)
-        log.exception("database error", exc_info=err)
-        return error_response(StoreError("internal database error"), request)
+        return internal_error(request, err)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -153,6 +160,38 @@ def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) ->
         return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
 
 
+class LastResort:
+    """Pure ASGI middleware: an exception no handler took still answers 500 ``INTERNAL`` as JSON."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as err:
+            if started:
+                raise  # half an answer is out: only dropping the connection tells the client
+            await internal_error(Request(scope, receive), err)(scope, receive, send)
+
+
+def internal_error(request: Request, err: Exception) -> JSONResponse:
+    """500 ``INTERNAL`` with no detail: the traceback goes to the log and the count to ``/metrics``."""
+    log.error("internal error answering %s %s", request.method, request.url.path, exc_info=err)
+    request.app.state.context.metrics.internal_errors.inc()
+    return error_response(StoreError("internal error"), request)
+
+
 def _plain_errors(errors: Any) -> list[dict[str, Any]]:
     return [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in errors][:20]
 
@@ -168,11 +207,15 @@ async def read_json(request: Request, model: type[Model], max_bytes: int) -> Mod
         if len(body) > max_bytes:
             raise TooLarge(f"JSON body over {max_bytes} bytes", limit=max_bytes)
     try:
-        return model.model_validate(json.loads(body or b"null"))
+        # Strictly UTF-8 (json.loads would guess UTF-16 from bytes), then the client's strict
+        # parser: a body two parsers could read differently is refused, never judged one way.
+        document = strict_json_loads((body or b"null").decode("utf-8"))
+        check_text(document, "request body")
+        return model.model_validate(document)
     except (ValueError, RecursionError) as err:
         if isinstance(err, ValidationError):
             raise BadRequest("request body does not match the schema", errors=_plain_errors(err.errors())) from None
-        raise BadRequest("request body is not valid JSON") from None
+        raise BadRequest("request body is not valid JSON", reason=str(err)[:MAX_ECHO_CHARS]) from None
 
 
 #: Request bodies read with ``read_json`` (bounded) instead of FastAPI's unbounded body parameters.

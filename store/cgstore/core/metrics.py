@@ -55,6 +55,11 @@ class Metrics:
             ["outcome", "code"],
             registry=self.registry,
         )
+        self.internal_errors = Counter(
+            "cgstore_internal_errors_total",
+            "Requests answered 500 INTERNAL (an unexpected failure; its traceback is in the log).",
+            registry=self.registry,
+        )
         self.resolve_answers = Counter(
             "cgstore_resolve_answers_total", "Resolve answers per family: hit or miss.", ["family", "status"],
             registry=self.registry,
