@@ -87,8 +87,6 @@ FREE_FORM_CASES = {
     "evidence lone surrogate key": {"evidence": {"mint_phases": {LONE_SURROGATE: "1"}}},
     "evidence too large": {"evidence": {"kernel_lane_evidence": {"x": "a" * MAX_FREE_FORM_BYTES}}},
     "input_contract nested 300 deep": {"input_contract": {"inputs": nested(300)}},
-    "layout display lone surrogate": {"layout": {"display": "sdxl" + LONE_SURROGATE,
-                                                 "topology": "blake3:" + "1" * 64, "quant": "blake3:" + "2" * 64}},
 }
 
 

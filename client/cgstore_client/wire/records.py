@@ -39,14 +39,14 @@ _DIGEST = Field(min_length=71, max_length=71)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def unservable(document: Any, *, bounded: bool = True) -> str | None:
-    """Why a parsed JSON ``document`` could be stored but not served back, or None.
+def unservable(document: Any) -> str | None:
+    """Why a parsed JSON ``document`` (a free-form field) could be stored but not served back, or None.
 
-    Every string (and object key) must be Unicode scalar values. When
-    ``bounded``, the document also nests at most ``MAX_FREE_FORM_DEPTH``
-    containers and is at most ``MAX_FREE_FORM_BYTES``: what is stored is
-    served in every later record and listing, which must always serialize.
-    Walked iteratively, so no nesting can exhaust the stack.
+    Every string (and object key) must be Unicode scalar values, the document
+    nests at most ``MAX_FREE_FORM_DEPTH`` containers and is at most
+    ``MAX_FREE_FORM_BYTES``: what is stored is served in every later record
+    and listing, which must always serialize. Walked iteratively, so no
+    nesting can exhaust the stack.
     """
     stack: list[tuple[Any, int]] = [(document, 0)]
     while stack:
@@ -57,11 +57,11 @@ def unservable(document: Any, *, bounded: bool = True) -> str | None:
             continue
         if not isinstance(item, (dict, list)):
             continue
-        if bounded and depth >= MAX_FREE_FORM_DEPTH:
+        if depth >= MAX_FREE_FORM_DEPTH:
             return f"nests deeper than {MAX_FREE_FORM_DEPTH} levels"
         children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
         stack.extend((child, depth + 1) for child in children)
-    if bounded and len(json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()) > MAX_FREE_FORM_BYTES:
+    if len(json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()) > MAX_FREE_FORM_BYTES:
         return f"is larger than {MAX_FREE_FORM_BYTES} bytes"
     return None
 

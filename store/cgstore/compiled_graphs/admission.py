@@ -16,7 +16,7 @@ Order (the first failing step answers):
    ``METADATA_INVALID`` for a malformed lane, ``DIGEST_INVALID``), then what
    must serialize in every later read (``METADATA_INVALID``: a free-form field
    nesting past ``MAX_FREE_FORM_DEPTH`` or larger than ``MAX_FREE_FORM_BYTES``,
-   any string that is not valid Unicode);
+   a string in one that is not valid Unicode);
 4. (the caller checks the blobs are in the repo: ``BLOB_UNKNOWN``);
 5. the archive, read statically from a spooled temp file: structure, limits,
    paths, weight- and pickle-freedom (``ARTIFACT_INVALID``), metadata
@@ -157,7 +157,10 @@ def _check_names(manifest: Manifest) -> None:
 
 
 def _check_servable(manifest: Manifest) -> None:
-    """What is stored must serialize in every later read: free-form fields bounded, all text valid Unicode."""
+    """What is stored must serialize in every later read: free-form fields bounded, their text valid Unicode.
+
+    Typed string fields need no check here: the schema already refuses a lone surrogate in them.
+    """
     free_form = {
         "evidence.kernel_lane_evidence": manifest.evidence.kernel_lane_evidence,
         "evidence.mint_phases": manifest.evidence.mint_phases,
@@ -167,9 +170,6 @@ def _check_servable(manifest: Manifest) -> None:
         problem = unservable(document)
         if problem is not None:
             raise MetadataInvalid(f"{field} {problem}", field=field)
-    problem = unservable(manifest.model_dump(mode="python"), bounded=False)
-    if problem is not None:
-        raise MetadataInvalid(f"the manifest {problem}")
 
 
 def component_set_digest(components: list[tuple[str, str, int]]) -> str:
