@@ -299,7 +299,11 @@ def _guidance_decimal(value: object) -> Decimal:
             raise EnvelopeError(f"guidance must be finite, got {value!r}")
     else:
         raise EnvelopeError(f"guidance must be a number, got {type(value).__name__} {value!r}")
-    if abs(number) > _MAX_GUIDANCE_MAGNITUDE:
+    if len(number.as_tuple().digits) > _MAX_GUIDANCE_CHARS:
+        raise EnvelopeError(f"guidance {value!r} has more than {_MAX_GUIDANCE_CHARS} digits")
+    # copy_abs, not abs(): abs() rounds in the decimal context and raises decimal.Overflow
+    # for an exponent past its range ("1e999999999"); copy_abs and the comparison are exact.
+    if number.copy_abs() > _MAX_GUIDANCE_MAGNITUDE:
         raise EnvelopeError(f"guidance {value!r} is out of range (|g| <= {_MAX_GUIDANCE_MAGNITUDE})")
     return number
 

@@ -12,6 +12,8 @@ splits its requests by them.
 from __future__ import annotations
 
 import datetime as dt
+import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,7 +29,41 @@ MAX_COMPONENTS = 64
 #: Longest yank reason kept.
 MAX_REASON_CHARS = 1000
 
+#: Deepest nesting of a free-form field (``evidence``'s documents, ``input_contract``): containers count.
+MAX_FREE_FORM_DEPTH = 16
+#: Largest free-form field, as compact UTF-8 JSON.
+MAX_FREE_FORM_BYTES = 64 * 1024
+
 _DIGEST = Field(min_length=71, max_length=71)
+# A lone UTF-16 surrogate: JSON's "\ud800" parses into a Python str that no UTF-8 encoder accepts.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def unservable(document: Any) -> str | None:
+    """Why a parsed JSON ``document`` (a free-form field) could be stored but not served back, or None.
+
+    Every string (and object key) must be Unicode scalar values, the document
+    nests at most ``MAX_FREE_FORM_DEPTH`` containers and is at most
+    ``MAX_FREE_FORM_BYTES``: what is stored is served in every later record
+    and listing, which must always serialize. Walked iteratively, so no
+    nesting can exhaust the stack.
+    """
+    stack: list[tuple[Any, int]] = [(document, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return "holds a string that is not valid Unicode (a lone surrogate)"
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= MAX_FREE_FORM_DEPTH:
+            return f"nests deeper than {MAX_FREE_FORM_DEPTH} levels"
+        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children)
+    if len(json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()) > MAX_FREE_FORM_BYTES:
+        return f"is larger than {MAX_FREE_FORM_BYTES} bytes"
+    return None
 
 
 class _Wire(BaseModel):

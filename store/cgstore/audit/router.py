@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cgstore.audit import service
 from cgstore.context import StoreContext, get_context
+from cgstore.core.http import parse_utc
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 
@@ -38,13 +39,7 @@ async def list_audit(
 ) -> AuditPage:
     where = service.AuditFilter(
         actor=actor, jti=jti, repo=repo, action=action, target=target, outcome=outcome, source=source,
-        since=_utc(since), until=_utc(until),
+        since=parse_utc(since, "since"), until=parse_utc(until, "until"),
     )
     return await run_in_threadpool(service.read_page, ctx.db, claims, where, cursor, limit, order == "desc")
 
-
-def _utc(moment: dt.datetime | None) -> dt.datetime | None:
-    """A time without an offset is read as UTC (the log's own zone)."""
-    if moment is not None and moment.tzinfo is None:
-        return moment.replace(tzinfo=dt.UTC)
-    return moment

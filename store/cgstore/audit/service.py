@@ -46,6 +46,7 @@ from cgstore.audit.models import (
 )
 from cgstore.core.db import Database, utcnow
 from cgstore.core.errors import BadRequest
+from cgstore.core.http import parse_row_id
 from cgstore.tokens.claims import Claims
 
 log = logging.getLogger(__name__)
@@ -238,9 +239,10 @@ def parse_cursor(cursor: str | None) -> int | None:
     """The id a ``next_cursor`` names; anything else is ``BAD_REQUEST``."""
     if cursor is None:
         return None
-    if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 19):
+    after = parse_row_id(cursor)
+    if after is None:
         raise BadRequest("cursor is not one this store handed out", cursor=cursor[:32])
-    return int(cursor)
+    return after
 
 
 def read_page(

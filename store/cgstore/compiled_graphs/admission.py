@@ -13,7 +13,10 @@ Order (the first failing step answers):
    ``text_len``, is ``ENVELOPE_INVALID``: no key can be derived from it);
 2. kind and format (``KIND_RETIRED`` by name, else ``KIND_UNSUPPORTED``);
 3. family, lane, layout and component names (``NAME_INVALID``,
-   ``METADATA_INVALID`` for a malformed lane, ``DIGEST_INVALID``);
+   ``METADATA_INVALID`` for a malformed lane, ``DIGEST_INVALID``), then what
+   must serialize in every later read (``METADATA_INVALID``: a free-form field
+   nesting past ``MAX_FREE_FORM_DEPTH`` or larger than ``MAX_FREE_FORM_BYTES``,
+   a string in one that is not valid Unicode);
 4. (the caller checks the blobs are in the repo: ``BLOB_UNKNOWN``);
 5. the archive, read statically from a spooled temp file: structure, limits,
    paths, weight- and pickle-freedom (``ARTIFACT_INVALID``), metadata
@@ -40,7 +43,7 @@ from cgstore_client.components import ComponentHeader, ComponentInvalid, header_
 from cgstore_client.errors import EnvelopeError, KeyInvalid as ClientKeyInvalid, ToolchainError
 from cgstore_client.keys import Envelope, Toolchain, ck1, digest, is_digest, validate_key, validate_sm
 from cgstore_client.metadata import KIND_AOT_INDUCTOR, KIND_RETIRED_INDUCTOR_CACHE, is_lane
-from cgstore_client.wire.records import Manifest
+from cgstore_client.wire.records import Manifest, unservable
 
 from cgstore.core.errors import (
     ArtifactInvalid,
@@ -98,6 +101,7 @@ def check_manifest(key: str, manifest: Manifest) -> Derived:
         raise KeyMismatch("the key is not the one derived from the manifest's axes", key=key, derived=expected)
     _check_kind(manifest)
     _check_names(manifest)
+    _check_servable(manifest)
     return derived
 
 
@@ -150,6 +154,22 @@ def _check_names(manifest: Manifest) -> None:
             raise NameInvalid("component names match [a-z0-9][a-z0-9._-]{0,127}", component=name)
     if len(set(names)) != len(names):
         raise NameInvalid("component names must be unique within a record", components=names)
+
+
+def _check_servable(manifest: Manifest) -> None:
+    """What is stored must serialize in every later read: free-form fields bounded, their text valid Unicode.
+
+    Typed string fields need no check here: the schema already refuses a lone surrogate in them.
+    """
+    free_form = {
+        "evidence.kernel_lane_evidence": manifest.evidence.kernel_lane_evidence,
+        "evidence.mint_phases": manifest.evidence.mint_phases,
+        "input_contract": manifest.input_contract,
+    }
+    for field, document in free_form.items():
+        problem = unservable(document)
+        if problem is not None:
+            raise MetadataInvalid(f"{field} {problem}", field=field)
 
 
 def component_set_digest(components: list[tuple[str, str, int]]) -> str:

@@ -68,6 +68,7 @@ from cgstore.core.errors import (
     hidden_miss,
 )
 from cgstore.core.faults import crash_point
+from cgstore.core.http import parse_row_id
 from cgstore.core.names import ROOT_OWNER, validate_owner, validate_repo
 from cgstore.core.private import private_dir
 from cgstore.repos.models import Repo
@@ -350,9 +351,10 @@ def list_records(
 def _parse_cursor(cursor: str | None) -> int:
     if cursor is None or cursor == "":
         return 0
-    if not cursor.isascii() or not cursor.isdigit() or len(cursor) > 19:
+    after = parse_row_id(cursor)
+    if after is None:
         raise BadRequest("cursor is the next_cursor of a previous page", cursor=cursor[:40])
-    return int(cursor)
+    return after
 
 
 def _components_of(session: Session, record_ids: list[int]) -> dict[int, list[CompiledGraphComponent]]:

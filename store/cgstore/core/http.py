@@ -15,6 +15,7 @@ memory, never a worker thread.
 
 from __future__ import annotations
 
+import datetime as dt
 import inspect
 import logging
 import re
@@ -277,6 +278,34 @@ def echo(value: str) -> str:
 def parse_number(value: str) -> int | None:
     """A bounded, plain ASCII decimal (``str.isdigit`` would also pass "²"); None when it is not one."""
     return int(value) if _NUMBER.fullmatch(value) else None
+
+
+#: Largest row id, hence largest keyset cursor: both databases store ids as signed 64-bit integers,
+#: and a bigger number would overflow the query's parameter (a 500) instead of being refused.
+MAX_ROW_ID = 2**63 - 1
+
+
+def parse_row_id(value: str) -> int | None:
+    """A keyset cursor (a row id) from a request, within int64; None when it is not one."""
+    number = parse_number(value)
+    return number if number is not None and number <= MAX_ROW_ID else None
+
+
+def parse_utc(moment: dt.datetime | None, name: str) -> dt.datetime | None:
+    """A time from a query, in UTC (a time without an offset is read as UTC).
+
+    Converted here, before any query: ``9999-12-31T23:59:59-14:00`` is a valid
+    ISO 8601 time with no UTC spelling in ``datetime``'s range, and the database
+    driver would raise ``OverflowError`` converting it.
+    """
+    if moment is None:
+        return None
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=dt.UTC)
+    try:
+        return moment.astimezone(dt.UTC)
+    except OverflowError:
+        raise BadRequest(f"{name} is outside the representable range of times", **{name: moment.isoformat()}) from None
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
