@@ -65,10 +65,16 @@ Attenuating (``POST /v1/tokens/attenuate``)
   - The chain stays within ``MAX_CHAIN_DEPTH`` tokens: a deeper child would
     never verify, so it is refused (400) rather than minted (checked by the
     tokens service, which walks the stored chain).
+
+Scraping metrics (``GET /metrics``)
+  - Only with ``Authorization: Bearer <CGSTORE_METRICS_TOKEN>``, compared in
+    constant time. Unset, nobody may. A refused scrape is answered exactly as
+    an unknown path: the endpoint's existence is not advertised.
 """
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
 from cgstore.core.errors import Denied, RootReserved, StoreError
@@ -247,3 +253,15 @@ def can_attenuate(
     )
 
 
+# -- metrics ----------------------------------------------------------------------------
+
+
+def can_scrape_metrics(authorization: str | None, metrics_token: str | None) -> bool:
+    """Whether an ``Authorization`` header carries the configured metrics token (never when unset)."""
+    if not metrics_token or not authorization:
+        return False
+    scheme, _, presented = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # compare_digest: the time taken says nothing about how much of a guess was right.
+    return hmac.compare_digest(presented.strip().encode(), metrics_token.encode())

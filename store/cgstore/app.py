@@ -47,7 +47,7 @@ def build_context(settings: Settings) -> StoreContext:
         db=db,
         storage=open_storage(settings),
         tokens=TokenService(db, settings),
-        metrics=Metrics(),
+        metrics=Metrics(settings.metrics_family_labels),
         denials=DenialLog(db, settings.audit_interval_s, settings.audit_max_sources),
     )
     ctx.metrics.watch_upload_sessions(lambda: _open_sessions_or_nan(ctx))

@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1 << 20
@@ -89,6 +89,15 @@ class Settings(BaseSettings):
         description="glibc malloc arenas `cgstore serve` allows (0: glibc's default of 8 per core); "
         "MALLOC_ARENA_MAX, when set, wins.",
     )
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="Bearer token `GET /metrics` requires; unset or empty, /metrics answers 404 to everyone.",
+    )
+    metrics_families: str = Field(
+        "",
+        description="Comma-separated families that get their own `family` label in the resolve metric; "
+        "every other family is counted as `other`.",
+    )
     log_level: str = "info"
 
     @cached_property
@@ -102,6 +111,11 @@ class Settings(BaseSettings):
         if self.storage_url:
             return self.storage_url
         return str((self.home / "blobs").absolute())
+
+    @cached_property
+    def metrics_family_labels(self) -> frozenset[str]:
+        """The allow-list of ``metrics_families``, parsed once."""
+        return frozenset(name.strip() for name in self.metrics_families.split(",") if name.strip())
 
     @property
     def spool_dir(self) -> Path:

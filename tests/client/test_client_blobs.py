@@ -13,7 +13,6 @@ import sys
 import time
 
 import blake3
-import httpx
 import pytest
 from cgstore_client import (
     Client,
@@ -57,7 +56,7 @@ def cache_files(root) -> list[str]:
 
 def blob_gets(store) -> int:
     """Blob GETs the store has answered (200, 206 or 307) since it started."""
-    text = httpx.get(f"{store.base_url}/metrics").text
+    text = store.scrape_metrics()
     pattern = r'cgstore_requests_total\{method="GET",route="/v1/repos/\{owner\}/\{repo\}/blobs/\{digest\}",status="(\d+)"\} (\S+)'
     return int(sum(float(n) for status, n in re.findall(pattern, text) if status in ("200", "206", "307")))
 

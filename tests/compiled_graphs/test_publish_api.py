@@ -143,7 +143,7 @@ def test_publish_outcomes_are_counted(store, tenant, pt2_archive, report_a, cons
         publish(client, "acme", name, pub)
         publish(client, "acme", name, pub)
         publish(client, "acme", name, publication(pt2_archive, report_a, kind="torch-inductor-cache"))
-        metrics = client.get("/metrics").text
+        metrics = client.get("/metrics", headers=store.metrics_headers()).text
     assert 'cgstore_publish_total{code="",outcome="created"}' in metrics
     assert 'cgstore_publish_total{code="",outcome="exists"}' in metrics
     assert 'cgstore_publish_total{code="KIND_RETIRED",outcome="refused"}' in metrics

@@ -272,7 +272,9 @@ def test_a_publish_waits_for_an_open_condemn_transaction_and_then_is_refused(reg
 
 
 def test_the_server_collects_periodically_under_the_lease_and_counts_it(tmp_path):
-    settings = Settings(home=tmp_path / "home", reaper_interval_s=3600, gc_interval_s=0.2, gc_grace_s=3600)
+    settings = Settings(
+        home=tmp_path / "home", reaper_interval_s=3600, gc_interval_s=0.2, gc_grace_s=3600, metrics_token="scraper"
+    )
     with running_store(settings, "embedded") as live:
         blobs = make_blobs(5, "periodic")
         seed_rows(live, blobs, OLD)
@@ -282,7 +284,7 @@ def test_the_server_collects_periodically_under_the_lease_and_counts_it(tmp_path
             time.sleep(0.1)
         assert blob_rows(live) == set() and stored_digests(live) == set()
         with live.client() as client:
-            metrics = client.get("/metrics").text
+            metrics = client.get("/metrics", headers=live.metrics_headers()).text
     assert 'cgstore_background_rounds_total{outcome="ran",task="gc"}' in metrics
     assert "cgstore_gc_blobs_deleted_total 5.0" in metrics
 

@@ -136,8 +136,8 @@ def test_nul_in_a_yank_reason_is_refused_and_the_record_stays_live(store, admin,
     assert record.status_code == 200 and record.json().get("yank") is None
 
 
-def _internal_errors(client) -> float:
-    line = re.search(r"^cgstore_internal_errors_total (\S+)$", client.get("/metrics").text, re.MULTILINE)
+def _internal_errors(store) -> float:
+    line = re.search(r"^cgstore_internal_errors_total (\S+)$", store.scrape_metrics(), re.MULTILINE)
     return float(line.group(1)) if line else 0.0
 
 
@@ -148,9 +148,9 @@ def test_an_unexpected_failure_answers_json_internal_and_is_counted(store, admin
     # A fault in any service: the route has no handler of its own for it.
     monkeypatch.setattr(store.context.tokens, "list_tokens", fail)
     with store.client(admin) as client:
-        before = _internal_errors(client)
+        before = _internal_errors(store)
         response = client.get("/v1/tokens")
         assert response.status_code == 500
         assert response.json() == {"error": {"code": "INTERNAL", "message": "internal error", "detail": {}}}
         assert "secret" not in response.text
-        assert _internal_errors(client) == before + 1
+        assert _internal_errors(store) == before + 1

@@ -40,7 +40,7 @@ def test_metrics_count_requests_bytes_and_sessions(store):
     with store.client(token) as client:
         client.put(f"/v1/repos/acme/{name}/blobs/{digest_of(data)}", content=data)
         client.post(f"/v1/repos/acme/{name}/uploads")
-        text = client.get("/metrics").text
+        text = client.get("/metrics", headers=store.metrics_headers()).text
     assert 'cgstore_requests_total{method="PUT",route="/v1/repos/{owner}/{repo}/blobs/{digest}",status="201"}' in text
     assert "cgstore_request_seconds_bucket" in text
     bytes_in = next(line for line in text.splitlines() if line.startswith("cgstore_bytes_in_total"))

@@ -9,6 +9,7 @@ Every API test takes the ``store`` fixture and so runs against both.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
 import time
 import uuid
@@ -44,6 +45,16 @@ class LiveStore:
     def mint(self, sub: str, *grants: str, ttl_s: int = 3600, platform: bool = False) -> str:
         """A token for ``sub`` with CLI-spelled grants like ``'acme/*:read,write'``."""
         return self.context.tokens.mint(sub, list(grants), ttl_s, platform=platform).token
+
+    def metrics_headers(self) -> dict[str, str]:
+        """The header ``GET /metrics`` requires: the store's metrics token."""
+        return {"Authorization": f"Bearer {self.settings.metrics_token.get_secret_value()}"}
+
+    def scrape_metrics(self) -> str:
+        """``GET /metrics`` with the metrics token: the Prometheus text."""
+        response = httpx.get(f"{self.base_url}/metrics", headers=self.metrics_headers(), timeout=60)
+        response.raise_for_status()
+        return response.text
 
     @property
     def is_s3(self) -> bool:
@@ -83,6 +94,8 @@ def settings_for(
     # The reaper runs only when a test asks for it: moto dates every multipart upload
     # in 2010, so a sweep would take a concurrent test's in-flight upload for an orphan.
     overrides.setdefault("reaper_interval_s", 3600)
+    # /metrics is closed without a token; every test store has one so tests can scrape it.
+    overrides.setdefault("metrics_token", secrets.token_urlsafe(24))
     if configuration == "embedded":
         return Settings(home=home, **overrides)
     use_test_aws_credentials()

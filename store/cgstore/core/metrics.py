@@ -13,12 +13,15 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
-#: Distinct family labels of the resolve metric (bounded cardinality).
-MAX_FAMILY_LABELS = 100
+#: The ``family`` label of resolves whose family is not on the allow-list.
+OTHER_FAMILY = "other"
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, family_labels: frozenset[str] = frozenset()) -> None:
+        # Families are caller-chosen and may name a tenant's private work, so only
+        # the operator's allow-list is ever shown (which also bounds cardinality).
+        self.family_labels = family_labels
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "cgstore_requests_total", "HTTP requests answered.", ["method", "route", "status"], registry=self.registry
@@ -64,14 +67,10 @@ class Metrics:
             "cgstore_resolve_answers_total", "Resolve answers per family: hit or miss.", ["family", "status"],
             registry=self.registry,
         )
-        self._families: set[str] = set()
 
     def count_resolve(self, family: str, hits: int, misses: int) -> None:
-        """Hits and misses of one resolve. Families are caller-chosen strings: the first
-        ``MAX_FAMILY_LABELS`` get labels of their own, later ones count as ``_other``."""
-        if family not in self._families and len(self._families) < MAX_FAMILY_LABELS:
-            self._families.add(family)
-        label = family if family in self._families else "_other"
+        """Hits and misses of one resolve, labelled by family only if the family is allow-listed."""
+        label = family if family in self.family_labels else OTHER_FAMILY
         if hits:
             self.resolve_answers.labels(label, "hit").inc(hits)
         if misses:

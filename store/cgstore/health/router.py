@@ -1,10 +1,13 @@
-"""``/healthz``, ``/readyz``, ``/metrics`` and ``/v1/capabilities`` (no auth on any of them)."""
+"""``/healthz``, ``/readyz``, ``/metrics`` and ``/v1/capabilities``.
+
+Only ``/metrics`` asks for a token (the metrics token, not a store token); the others are open.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Header, Response
 from fastapi.responses import PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from cgstore.context import StoreContext, get_context
@@ -32,8 +35,10 @@ async def readyz(response: Response, ctx: StoreContext = Depends(get_context)) -
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(ctx: StoreContext = Depends(get_context)) -> Response:
-    payload = await run_in_threadpool(generate_latest, ctx.metrics.registry)
+async def metrics(
+    ctx: StoreContext = Depends(get_context), authorization: str | None = Header(None, include_in_schema=False)
+) -> Response:
+    payload = await run_in_threadpool(service.metrics_text, ctx, authorization)
     return Response(payload, media_type=CONTENT_TYPE_LATEST)
 
 

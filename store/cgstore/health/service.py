@@ -5,10 +5,22 @@ from __future__ import annotations
 import logging
 
 from cgstore_client.wire.records import MAX_RESOLVE_KEYS
+from prometheus_client import generate_latest
 
+from cgstore import access
 from cgstore.context import StoreContext
+from cgstore.core.errors import NameUnknown
 
 log = logging.getLogger(__name__)
+
+
+def metrics_text(ctx: StoreContext, authorization: str | None) -> bytes:
+    """The Prometheus exposition, for the metrics token only; anyone else gets an unknown path's 404."""
+    configured = ctx.settings.metrics_token
+    if not access.can_scrape_metrics(authorization, configured.get_secret_value() if configured else None):
+        raise NameUnknown("Not Found")
+    return generate_latest(ctx.metrics.registry)
+
 
 def readiness(ctx: StoreContext) -> dict[str, str]:
     """``ok`` or a short reason, per dependency."""
