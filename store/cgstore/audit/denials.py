@@ -13,6 +13,13 @@ interval, further sources are counted under the source ``*``.
 403s and hidden 404s come from callers holding a valid token (whose own
 requests are already bounded by what the token may do); each stays one row,
 written at once in its own transaction.
+
+Refused publishes (400/422: KEY_MISMATCH, ARTIFACT_INVALID, METADATA_INVALID…)
+come from a valid token too, but a bad manifest costs its sender one small
+request, so a token can repeat one cheaply. ``audit_refusal`` writes the first
+refusal of each (actor, outcome) in an interval as its own row at once (actor,
+jti, key, repo, code), and counts the repeats into one aggregate row per
+(actor, outcome) like the 401s.
 """
 
 from __future__ import annotations
@@ -42,6 +49,16 @@ MAX_MESSAGES = 8
 MAX_PATHS = 5
 
 
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    """What one aggregate row stands for. 401s have no actor and the action ``auth``."""
+
+    source: str
+    outcome: str
+    actor: str = "-"
+    action: str = AGGREGATE_ACTION
+
+
 @dataclasses.dataclass
 class _Aggregate:
     first_at: dt.datetime
@@ -66,25 +83,41 @@ class _Aggregate:
 
 
 class DenialLog:
-    """The in-memory side of 401 auditing: ``count`` on every 401, ``flush`` every interval."""
+    """The in-memory side of bounded auditing: ``count`` on every 401 or repeated refusal, ``flush`` every interval."""
 
     def __init__(self, db: Database, interval_s: float, max_sources: int) -> None:
         self._db = db
         self.interval_s = interval_s
         self._max_sources = max_sources
         self._lock = threading.Lock()
-        self._pending: dict[tuple[str, str], _Aggregate] = {}
+        self._pending: dict[_Key, _Aggregate] = {}
+        # (actor, outcome) pairs whose refusal this interval already has its own row.
+        self._written: set[tuple[str, str]] = set()
 
-    def count(self, *, source: str, outcome: str, message: str, path: str) -> None:
-        """Account for one 401. No I/O: called on the event loop for every refused request."""
+    def first_this_interval(self, actor: str, outcome: str) -> bool:
+        """Whether a refusal by ``actor`` with ``outcome`` gets its own row (then remembered until ``flush``).
+
+        Beyond ``max_sources`` remembered pairs, every refusal is only counted.
+        """
+        with self._lock:
+            pair = (actor, outcome)
+            if pair in self._written or len(self._written) >= self._max_sources:
+                return False
+            self._written.add(pair)
+            return True
+
+    def count(
+        self, *, source: str, outcome: str, message: str, path: str, actor: str = "-", action: str = AGGREGATE_ACTION
+    ) -> None:
+        """Account for one refusal. No I/O: called on the event loop for every refused request."""
         now = utcnow()
         # Memory per key stays bounded whatever the request: only a prefix one
         # longer than the column is kept, so the stored sample still says "cut".
         message, path = message[: DETAIL_STRING_LEN + 1], path[: TARGET_LEN + 1]
         with self._lock:
-            key = (source, outcome)
+            key = _Key(source, outcome, actor, action)
             if key not in self._pending and len(self._pending) >= self._max_sources:
-                key = (OVERFLOW_SOURCE, outcome)
+                key = _Key(OVERFLOW_SOURCE, outcome, "-", action)
             aggregate = self._pending.get(key)
             if aggregate is None:
                 aggregate = self._pending[key] = _Aggregate(now, now, path)
@@ -104,19 +137,20 @@ class DenialLog:
         """
         with self._lock:
             taken, self._pending = self._pending, {}
+            self._written.clear()
         if not taken:
             return 0
         try:
             with self._db.session() as session:
-                for (source, outcome), aggregate in taken.items():
+                for key, aggregate in taken.items():
                     record(
                         session,
-                        actor="-",
+                        actor=key.actor,
                         jti=None,
-                        action=AGGREGATE_ACTION,
+                        action=key.action,
                         target=aggregate.target,
-                        outcome=outcome,
-                        source=source,
+                        outcome=key.outcome,
+                        source=key.source,
                         count=aggregate.count,
                         at=aggregate.first_at,
                         detail={
@@ -131,7 +165,7 @@ class DenialLog:
             raise
         return len(taken)
 
-    def _put_back(self, taken: dict[tuple[str, str], _Aggregate]) -> None:
+    def _put_back(self, taken: dict[_Key, _Aggregate]) -> None:
         with self._lock:
             for key, aggregate in taken.items():
                 current = self._pending.get(key)
@@ -173,6 +207,23 @@ async def audit_denial(request: Request, err: StoreError) -> None:
         source=source,
         detail={"message": err.message},
     )
+
+
+def audit_refusal(
+    db: Database, denials: DenialLog, *, actor: str, jti: str, action: str, target: str, repo: str, err: StoreError
+) -> None:
+    """Audit a refused write by a valid token: its own row the first time per interval, else counted.
+
+    Called by the service that refused (in a worker thread), so the row may
+    touch the database; a flood of repeats costs memory bounded like the 401s'.
+    """
+    if denials.first_this_interval(actor, err.code):
+        record_denial(
+            db, actor=actor, jti=jti, action=action, target=target, repo=repo, outcome=err.code,
+            source="-", detail={"message": err.message, "detail": err.detail},
+        )
+    else:
+        denials.count(source="-", outcome=err.code, message=err.message, path=target, actor=actor, action=action)
 
 
 def _repo_of(request: Request) -> str | None:

@@ -49,6 +49,7 @@ from sqlalchemy import ColumnElement, delete, exists, or_, select, update
 from sqlalchemy.orm import Session
 
 from cgstore import access
+from cgstore.audit.denials import audit_refusal
 from cgstore.audit.service import record as audit
 from cgstore.blobs.models import Blob
 from cgstore.blobs.service import held_blobs, hold_blobs
@@ -76,6 +77,8 @@ from cgstore.repos.service import find_repo, readable_repo, write_decision
 from cgstore.tokens.claims import Claims
 
 ACTION_PUBLISH = "compiled_graph.publish"
+#: Statuses of a publish refused for what it sent (KEY_MISMATCH, ARTIFACT_INVALID, METADATA_INVALID, …).
+REFUSED_INPUT_STATUSES = (400, 422)
 ACTION_YANK = "compiled_graph.yank"
 
 #: A blob of a repo: ``(owner, repo, digest)``.
@@ -102,6 +105,10 @@ def publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, 
         raise
     except StoreError as err:
         ctx.metrics.publishes.labels("refused", err.code).inc()
+        if err.status in REFUSED_INPUT_STATUSES:
+            # 401/403/hidden 404s are audited by the error handler; a refused manifest only here.
+            audit_refusal(ctx.db, ctx.denials, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH,
+                          target=f"{owner}/{repo}:{key}", repo=f"{owner}/{repo}", err=err)
         raise
     ctx.metrics.publishes.labels(published.answer.status, "").inc()
     return published

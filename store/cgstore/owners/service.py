@@ -9,7 +9,7 @@ calling principal with ``POST /v1/owners``; the reserved slugs never can be
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -42,9 +42,13 @@ def register_principal(db: Database, name: str, platform: bool, *, actor: str = 
     check_sub(name)
     if not isinstance(platform, bool):
         raise BadRequest("platform must be true or false")
-    upsert_principal(db, name, platform, demote=True)
-    with db.session() as session:
+
+    def change_and_audit(session: Session) -> None:
+        # One transaction: the change is never visible without its audit row, nor the row without it.
+        _set_principal(session, name, platform, demote=True)
         record(session, actor=actor, jti=None, action="principal.register", target=name, detail={"platform": platform})
+
+    _retrying_first_insert(db, change_and_audit)
 
 
 def upsert_principal(db: Database, name: str, platform: bool, *, demote: bool) -> None:
@@ -52,17 +56,25 @@ def upsert_principal(db: Database, name: str, platform: bool, *, demote: bool) -
 
     An existing platform principal is demoted only when ``demote`` is set:
     minting an ordinary token for it must not strip its platform status.
-    Two first mints for one principal may race on the insert; the loser
-    retries once and then finds the winner's row.
     """
+    _retrying_first_insert(db, lambda session: _set_principal(session, name, platform, demote=demote))
+
+
+def _set_principal(session: Session, name: str, platform: bool, *, demote: bool) -> None:
+    principal = session.get(Principal, name)
+    if principal is None:
+        session.add(Principal(name=name, platform=platform))
+    elif platform or demote:
+        principal.platform = platform
+
+
+def _retrying_first_insert(db: Database, work: Callable[[Session], None]) -> None:
+    """Run ``work(session)`` in one transaction. Two first mints for one principal may race
+    on the insert; the loser retries once and then finds the winner's row."""
     for attempt in range(2):
         try:
             with db.session() as session:
-                principal = session.get(Principal, name)
-                if principal is None:
-                    session.add(Principal(name=name, platform=platform))
-                elif platform or demote:
-                    principal.platform = platform
+                work(session)
             return
         except IntegrityError:
             if attempt:
