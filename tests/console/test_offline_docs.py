@@ -6,6 +6,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+from playwright.sync_api import sync_playwright
 
 pytestmark = pytest.mark.browser
 
@@ -15,9 +16,8 @@ SCREENSHOTS = Path(__file__).resolve().parents[2] / ".test-results" / "console"
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api")
     assert CHROMIUM.exists(), "make test installs Debian's chromium (make chromium)"
-    with sync_api.sync_playwright() as pw:
+    with sync_playwright() as pw:
         browser = pw.chromium.launch(
             executable_path=str(CHROMIUM), args=["--headless", "--no-sandbox", "--disable-gpu"]
         )
