@@ -1,8 +1,8 @@
 """Nothing stored can break a later read, and no query value reaches the database outside its domain.
 
 Issue 15 §2, on both configurations: a publish whose free-form fields nest too
-deep, are too large or hold a lone surrogate is refused with 422
-``METADATA_INVALID`` (before, it was stored and every later read of the record
+deep or are too large is refused with 422 ``METADATA_INVALID``, one holding a
+lone surrogate with 400 ``BAD_REQUEST`` by the one text rule (before, it was stored and every later read of the record
 and the listing answered a plain-text 500); an envelope number past any decimal
 context is 422 ``ENVELOPE_INVALID`` (was ``decimal.Overflow``); a cursor past
 int64 and an audit time with no UTC spelling are 400 ``BAD_REQUEST`` (were
@@ -83,8 +83,6 @@ def assert_reads_still_json(client, name: str, good) -> None:
 FREE_FORM_CASES = {
     "evidence nested 300 deep": {"evidence": {"kernel_lane_evidence": nested(300)}},
     "evidence one level too deep": {"evidence": {"mint_phases": {"x": nested(MAX_FREE_FORM_DEPTH)}}},
-    "evidence lone surrogate": {"evidence": {"mint_phases": {"compile_s": LONE_SURROGATE}}},
-    "evidence lone surrogate key": {"evidence": {"mint_phases": {LONE_SURROGATE: "1"}}},
     "evidence too large": {"evidence": {"kernel_lane_evidence": {"x": "a" * MAX_FREE_FORM_BYTES}}},
     "input_contract nested 300 deep": {"input_contract": {"inputs": nested(300)}},
 }
@@ -99,6 +97,28 @@ def test_unservable_free_form_fields_are_refused_at_publish(store, repo, fields)
         answer = put_raw(client, name, bad)
         assert answer.status_code == 422, answer.text
         assert code(answer) == "METADATA_INVALID"
+        missing = client.get(bad.path("acme", name))
+        assert missing.status_code == 404 and code(missing) == "NAME_UNKNOWN"
+        assert_reads_still_json(client, name, good)
+
+
+SURROGATE_CASES = {
+    "evidence lone surrogate": {"evidence": {"mint_phases": {"compile_s": LONE_SURROGATE}}},
+    "evidence lone surrogate key": {"evidence": {"mint_phases": {LONE_SURROGATE: "1"}}},
+}
+
+
+@pytest.mark.parametrize("fields", SURROGATE_CASES.values(), ids=SURROGATE_CASES.keys())
+def test_lone_surrogates_in_free_form_fields_are_refused_before_admission(store, repo, fields):
+    """The one text rule (``core/inputs.py``) answers for the whole body before admission reads it: 400."""
+    name, token, good, new_publication = repo
+    bad = new_publication(**fields)
+    with store.client(token) as client:
+        upload_all(client, "acme", name, bad)
+        answer = put_raw(client, name, bad)
+        assert answer.status_code == 400, answer.text
+        assert code(answer) == "BAD_REQUEST"
+        assert answer.json()["error"]["detail"]["where"] == "request body"
         missing = client.get(bad.path("acme", name))
         assert missing.status_code == 404 and code(missing) == "NAME_UNKNOWN"
         assert_reads_still_json(client, name, good)
