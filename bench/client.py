@@ -55,7 +55,8 @@ from cgstore_client import Client, Want
 from cgstore_client.archive import graph_digest_from_program
 from cgstore_client.cache import hash_file
 from cgstore_client.keys import ck1
-from cgstore_client.loader import load_compiled, save_tensors
+from cgstore_client.components import save_tensors
+from cgstore_client.loader import load_compiled
 from cgstore_client.mint import environment_sm, package_compiled_graph
 
 from _common import MiB, emit_result, log, production_stack

@@ -1,4 +1,4 @@
-"""Named CAS components: safetensors headers read statically, never a pickle.
+"""Named CAS components: safetensors headers read statically, never a pickle, and the one writer.
 
 A component is a safetensors file: an 8-byte little-endian header length, a
 JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, ...,
@@ -12,18 +12,27 @@ executed or unpickled; tensor bytes are never read.
 Dtype names are given as torch spells them (``float32``...), the spelling of
 the archive's binding table, so a component's tensor can be compared with the
 program constant it binds.
+
+:func:`save_tensors` is the package's one safetensors writer (the mint's
+derived constants, tests' checkpoints): the contract side and the worker side
+both import it from here.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cgstore_client.errors import CgstoreError
 from cgstore_client.keys import strict_json_loads
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -32,6 +41,7 @@ __all__ = [
     "ComponentInvalid",
     "TensorInfo",
     "read_header",
+    "save_tensors",
 ]
 
 #: Headers beyond this are refused (the reference implementation's own bound is 100 MB).
@@ -171,3 +181,15 @@ def encode_header(tensors: Mapping[str, tuple[str, list[int]]], metadata: Mappin
     header = json.dumps(document, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)  # the reference writer pads to 8-byte alignment
     return struct.pack("<Q", len(header)) + header
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+    """Write ``tensors`` as a safetensors file without numpy (``safetensors.torch`` needs it; a worker may not)."""
+    from safetensors import TensorSpec, serialize_file
+
+    kept = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+    specs = {
+        name: TensorSpec(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, data_ptr=t.data_ptr(), data_len=t.nbytes)
+        for name, t in kept.items()
+    }
+    serialize_file(specs, os.fspath(path), metadata=None)  # ``kept`` keeps every pointer alive until here

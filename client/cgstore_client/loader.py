@@ -52,18 +52,6 @@ class Bindable(Protocol):
     component_paths: Mapping[str, os.PathLike[str] | str]
 
 
-def save_tensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
-    """Write ``tensors`` as a safetensors file without numpy (``safetensors.torch`` needs it; a worker may not)."""
-    from safetensors import TensorSpec, serialize_file
-
-    kept = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
-    specs = {
-        name: TensorSpec(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, data_ptr=t.data_ptr(), data_len=t.nbytes)
-        for name, t in kept.items()
-    }
-    serialize_file(specs, os.fspath(path), metadata=None)  # ``kept`` keeps every pointer alive until here
-
-
 def _open_tensors(paths: Iterable[os.PathLike[str] | str], stack: ExitStack) -> dict[str, Any]:
     """name -> a lazy handle per tensor across safetensors files (values read only when bound)."""
     from safetensors import safe_open

@@ -95,6 +95,7 @@ from cgstore_client.archive.graph import (
     program_ties,
     strip_debug_metadata,
 )
+from cgstore_client.components import save_tensors
 from cgstore_client.errors import CgstoreError, MetadataError
 from cgstore_client.keys import Toolchain, canonical_json, validate_digest
 from cgstore_client.metadata import CompiledGraphMetadata, build_metadata, parse_metadata
@@ -434,7 +435,6 @@ def _write_derived_constants(program: ExportedProgram, archive_path: str) -> str
     literals. The archive is weight-free, so their values travel beside it as a
     named component (safetensors: read without unpickling), keyed by fqn.
     """
-    from cgstore_client.loader import save_tensors
 
     path = derived_constants_path(archive_path)
     tensors = {fqn: value.clone() for fqn, value in sorted(program.constants.items()) if hasattr(value, "untyped_storage")}

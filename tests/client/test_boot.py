@@ -192,7 +192,7 @@ def test_a_key_holding_other_bytes_is_a_conflict_naming_both(store, published, m
     from safetensors import safe_open
 
     import torch
-    from cgstore_client.loader import save_tensors
+    from cgstore_client.components import save_tensors
 
     with safe_open(derived_constants_path(minted), framework="pt") as f:
         save_tensors({name: f.get_tensor(name) + 1 for name in f.keys()}, other)
