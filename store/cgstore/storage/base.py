@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cgstore.core.errors import BlobUnknown
 from cgstore.storage.hashing import (
@@ -48,6 +48,7 @@ from cgstore.storage.writer import (
     HashingStageWriter,
     LimitedStageWriter,
     PendingObject,
+    StagedUpload,
     StageWriter,
     VerifiedWriter,
     VerifyOnlyWriter,
@@ -75,19 +76,6 @@ class ObjectInfo:
 
     key: str
     size: int
-
-
-@dataclass
-class StagedUpload:
-    """Backend bookkeeping for the bytes of one resumable upload session.
-
-    ``state`` is JSON-serializable and stored in the session's database row, so
-    any server process can continue the session.
-    """
-
-    session_id: str
-    offset: int = 0
-    state: dict = field(default_factory=dict)
 
 
 class ObjectStore(abc.ABC):

@@ -12,18 +12,32 @@ unverified is ever visible. ``LimitedStageWriter`` applies the same limit to
 the chunks of a resumable upload, and ``HashingStageWriter`` hashes them as
 they are staged, so a commit can verify the whole stream without reading it
 back (``hashing.StreamHashes``).
+
+This module is the layer below ``base.py``: it imports nothing of it, and
+``base`` re-exports the writer types (``StagedUpload`` included) as the
+interface drivers implement.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from cgstore.core.errors import TooLarge
 from cgstore.storage.hashing import STREAM_HASH_FIELD, StreamHashes, StreamVerifier
 
-if TYPE_CHECKING:  # base.py imports this module; the name is only an annotation here
-    from cgstore.storage.base import StagedUpload
+
+@dataclass
+class StagedUpload:
+    """Backend bookkeeping for the bytes of one resumable upload session.
+
+    ``state`` is JSON-serializable and stored in the session's database row, so
+    any server process can continue the session.
+    """
+
+    session_id: str
+    offset: int = 0
+    state: dict = field(default_factory=dict)
 
 
 class PendingObject(abc.ABC):
