@@ -2,13 +2,14 @@
 #   make serve   the store on the embedded default (SQLite + a local directory), no configuration
 #   make test    the whole suite against SQLite + directory AND PostgreSQL + S3 (moto_server)
 #   make bench   the ratio benchmarks in bench/
+#   make docs    regenerate the reference tables in docs/
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: serve test fuzz soak conformance bench bench-deps chromium install install-dev clean
+.PHONY: serve test fuzz soak conformance bench bench-deps chromium docs install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +53,10 @@ chromium:
 # (without CGSTORE_URL it runs against the three local deployments, as `make test` does).
 conformance: install-dev
 	$(PY) -m pytest tests/conformance --junitxml=conformance.xml $(PYTEST_ARGS)
+
+# The reference tables of docs/ (configuration, CLI, routes), rewritten from the code.
+docs: install
+	$(PY) docs/generate.py
 
 # Tools the network benchmark compares against (Debian packages).
 bench-deps:

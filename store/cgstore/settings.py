@@ -1,6 +1,8 @@
 """Typed settings of the store, read from ``CGSTORE_*`` environment variables.
 
-Every option is listed in the README's "Configuration" table. The defaults are
+Each field's description is its documentation: ``docs/generate.py`` writes the
+configuration table of ``docs/deploy.md`` from them (``json_schema_extra
+["shown"]`` spells a default that is computed at run time). The defaults are
 the embedded configuration: SQLite and a local directory under ``CGSTORE_HOME``
 and an Ed25519 signing key generated there on first use, so ``cgstore serve``
 needs no configuration at all.
@@ -22,83 +24,114 @@ GiB = 1 << 30
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CGSTORE_", extra="ignore")
 
-    home: Path = Field(Path(".cgstore"), description="State directory of the embedded default.")
-    host: str = "127.0.0.1"
-    port: int = 8080
+    home: Path = Field(
+        Path(".cgstore"),
+        description="state directory of the embedded default (SQLite file, blob directory, signing key)",
+        json_schema_extra={"shown": "./.cgstore"},
+    )
+    host: str = Field("127.0.0.1", description="listen address of `cgstore serve`")
+    port: int = Field(8080, description="listen port")
     database_url: str | None = Field(
-        None, description="SQLAlchemy URL; default sqlite under CGSTORE_HOME."
+        None,
+        description="SQLAlchemy URL, e.g. `postgresql+psycopg://user:pw@host:5432/cgstore`",
+        json_schema_extra={"shown": "sqlite:///$CGSTORE_HOME/cgstore.sqlite3"},
     )
     storage_url: str | None = Field(
         None,
-        description="A directory path or file:// URL, or s3://bucket?endpoint_url=…&region=…; "
-        "default a directory under CGSTORE_HOME.",
+        description="a directory (or `file://` URL), or `s3://bucket[/prefix]?endpoint_url=…&region=…`",
+        json_schema_extra={"shown": "$CGSTORE_HOME/blobs"},
     )
     s3_public_endpoint_url: str | None = Field(
-        None, description="Endpoint written into presigned URLs, when clients reach S3 by another name."
+        None, description="endpoint written into presigned URLs, when clients reach S3 by another name than the store does"
     )
     token_signing_key: Path | None = Field(
-        None, description="Ed25519 private key (PEM); default CGSTORE_HOME/token-signing-key.pem, generated once."
+        None,
+        description="the bootstrap Ed25519 private key of the key ring (PEM, PKCS8); generated once (0600) if absent",
+        json_schema_extra={"shown": "$CGSTORE_HOME/token-signing-key.pem"},
     )
     token_keys_dir: Path | None = Field(
         None,
-        description="Directory of the private keys `cgstore keys rotate` adds (<kid>.pem, 0600); "
-        "default CGSTORE_HOME/keys.",
+        description="where `cgstore keys rotate` writes new private keys (`<kid>.pem`, 0600, directory 0700)",
+        json_schema_extra={"shown": "$CGSTORE_HOME/keys"},
     )
-    token_issuer: str = "cgstore"
-    redirect_downloads: bool = Field(True, description="Answer blob GETs on S3 with 307 to a presigned URL.")
-    presign_ttl_s: int = Field(300, ge=10, le=7 * 24 * 3600)
-    max_blob_bytes: int = Field(64 * GiB, ge=1)
-    max_json_bytes: int = Field(1 * MiB, ge=1024, description="Largest JSON request body accepted.")
-    upload_session_ttl_s: int = Field(24 * 3600, ge=1, description="Idle time after which an upload session expires.")
-    reaper_interval_s: float = Field(60.0, gt=0, description="How often expired upload sessions are reclaimed.")
-    gc_interval_s: float = Field(3600.0, gt=0, description="How often the server collects garbage.")
+    token_issuer: str = Field("cgstore", description="`iss` of minted tokens, required on verified ones")
+    redirect_downloads: bool = Field(True, description="on S3, answer blob GETs with 307 to a presigned URL")
+    presign_ttl_s: int = Field(300, ge=10, le=7 * 24 * 3600, description="lifetime of presigned download URLs")
+    max_blob_bytes: int = Field(64 * GiB, ge=1, description="largest blob accepted (413 `TOO_LARGE` beyond)")
+    max_json_bytes: int = Field(1 * MiB, ge=1024, description="largest JSON request body accepted")
+    upload_session_ttl_s: int = Field(
+        24 * 3600, ge=1,
+        description="idle time after which a resumable upload session expires and its bytes are reclaimed",
+    )
+    reaper_interval_s: float = Field(60.0, gt=0, description="how often the server reclaims expired upload sessions")
+    gc_interval_s: float = Field(
+        3600.0, gt=0, description="how often the server collects garbage (one replica at a time)"
+    )
     gc_grace_s: int = Field(
-        24 * 3600, ge=0, description="Blobs linked more recently than this (and yanked records younger) are kept."
+        24 * 3600, ge=0,
+        description="blobs linked (or yanked records changed) more recently than this are kept; "
+        "orphaned multipart writes older than this are aborted",
     )
-    gc_batch_size: int = Field(500, ge=1, le=10_000, description="Blobs condemned and deleted per GC batch.")
+    gc_batch_size: int = Field(500, ge=1, le=10_000, description="blobs condemned and deleted per GC batch (1–10000)")
     lease_ttl_s: float = Field(
-        120.0, gt=0, description="Lifetime of a background task's lease; a crashed holder's lapses after this."
+        120.0, gt=0,
+        description="lifetime of a background task's lease (reaper, GC); a crashed holder's lapses after this",
     )
-    s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="Multipart part size for S3 writes.")
-    s3_max_concurrency: int = Field(4, ge=1, le=64, description="Parts uploaded in parallel per S3 write.")
-    audit_interval_s: float = Field(
-        10.0, gt=0, le=3600, description="Repeated 401s per source are written as one audit row per interval."
-    )
-    audit_max_sources: int = Field(
-        10_000, ge=1, description="Distinct 401 sources kept per interval; more are counted under source '*'."
+    s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="multipart part size for S3 writes (≥ 5 MiB)")
+    s3_max_concurrency: int = Field(
+        4, ge=1, le=64,
+        description="parts uploaded in parallel per S3 write (memory ≈ (this + 1) × part size per upload)",
     )
     body_idle_timeout_s: float = Field(
-        30.0, gt=0, description="A request body that sends nothing for this long is answered 408."
+        30.0, gt=0,
+        description="a request body that sends nothing for this long is answered 408 `REQUEST_TIMEOUT` "
+        "(and leaves nothing behind)",
     )
     header_timeout_s: float = Field(
-        10.0, gt=0, description="Time a connection has to send a request's line and headers (then 408, closed)."
+        10.0, gt=0, description="time a connection has to send a request line and headers; then 408 and closed"
     )
-    max_header_bytes: int = Field(32 * 1024, ge=4096, description="Largest request line + headers (431 beyond).")
-    keep_alive_timeout_s: float = Field(5.0, gt=0, description="Idle keep-alive connections are closed after this.")
+    max_header_bytes: int = Field(
+        32 * 1024, ge=4096, description="largest request line + headers; beyond, 431 `TOO_LARGE` and closed"
+    )
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="idle keep-alive connections are closed after this")
     max_connections: int = Field(
-        1000, ge=1, description="Concurrent connections (and requests) served; beyond, uvicorn answers 503."
+        1000, ge=1,
+        description="connections (and requests) served at once; beyond, 503 `UNAVAILABLE` and closed",
     )
     workers: int = Field(
-        1, ge=1, le=64, description="Server processes `cgstore serve` runs (each with its own pool and counters)."
+        1, ge=1, le=64,
+        description="server processes `cgstore serve` runs on one port (uvicorn workers); each has its own "
+        "database pool, reaper, GC loop (lease-guarded, so still one at a time), denial log and `/metrics` "
+        "counters, and `CGSTORE_MAX_CONNECTIONS` applies per process",
     )
     worker_threads: int = Field(
-        40, ge=1, description="Threads that run database and storage calls (anyio's default limiter)."
+        40, ge=1, description="threads that run database and storage calls; request bodies never hold one"
     )
     malloc_arenas: int = Field(
         2, ge=0, le=64,
-        description="glibc malloc arenas `cgstore serve` allows (0: glibc's default of 8 per core); "
-        "MALLOC_ARENA_MAX, when set, wins.",
+        description="glibc malloc arenas `cgstore serve` allows (`0`: glibc's 8 per core; `MALLOC_ARENA_MAX`, "
+        "when set, wins): bounds the RSS that 40 request threads keep (`bench/load.py`)",
+    )
+    audit_interval_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="repeated 401s are written as one audit row per (source address, code) per interval, "
+        "with a count",
+    )
+    audit_max_sources: int = Field(
+        10_000, ge=1,
+        description="distinct 401 sources kept in memory per interval; further ones are counted under source `*`",
     )
     metrics_token: SecretStr | None = Field(
         None,
-        description="Bearer token `GET /metrics` requires; unset or empty, /metrics answers 404 to everyone.",
+        description="bearer token `GET /metrics` requires (compared in constant time); unset or empty, "
+        "`/metrics` answers 404 to everyone",
     )
     metrics_families: str = Field(
         "",
-        description="Comma-separated families that get their own `family` label in the resolve metric; "
-        "every other family is counted as `other`.",
+        description="comma-separated families that get their own `family` label in "
+        "`cgstore_resolve_answers_total`; every other family is counted as `other`",
     )
-    log_level: str = "info"
+    log_level: str = Field("info", description="log level")
 
     @cached_property
     def resolved_database_url(self) -> str:

@@ -1,20 +1,16 @@
-"""The README's worker boot and mint-child publish, run as written against a live store (embedded)."""
+"""The walk-through's worker boot and mint-child publish (README), run as written against a live store (embedded)."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
+
+from tests.support.docs import example
 
 pytestmark = pytest.mark.torch
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
 
 def test_the_readme_boot_and_publish_run_as_written(make_store, tmp_path, monkeypatch):
-    section = README.read_text().split("### The worker client", 1)[1]
-    boot, publish = re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    boot, publish = example("worker-boot") + "\n", example("mint-publish") + "\n"
     live = make_store("embedded")
     monkeypatch.setenv("CGSTORE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)

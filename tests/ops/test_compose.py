@@ -26,7 +26,7 @@ from tests.support.services import REPO_ROOT, free_port
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "store" / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
-README = REPO_ROOT / "README.md"
+DEPLOY = REPO_ROOT / "docs" / "deploy.md"
 LOCAL_IMAGE = "cgstore:local"
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 
@@ -95,8 +95,8 @@ def test_every_cgstore_variable_is_a_real_setting(services):
     assert named - known_variables() == set()
 
 
-def test_every_cgstore_variable_is_in_the_readme_table(services):
-    documented = set(re.findall(r"^\| `(CGSTORE_\w+)`", README.read_text(), re.MULTILINE))
+def test_every_cgstore_variable_is_in_the_configuration_table(services):
+    documented = set(re.findall(r"^\| `(CGSTORE_\w+)`", DEPLOY.read_text(), re.MULTILINE))
     assert known_variables() - documented == set()
 
 
@@ -215,12 +215,12 @@ def test_dockerignore_keeps_local_state_out_and_the_sources_in():
                 assert source.rstrip("/") not in ignored, source
 
 
-def test_readme_and_compose_file_agree_on_how_to_start():
+def test_the_deploy_page_and_compose_file_agree_on_how_to_start():
     def up_commands(text: str) -> set[str]:
         return {" ".join(m.split()) for m in re.findall(r"docker compose up[^\n#`]*", text)}
 
-    from_readme, from_compose = up_commands(README.read_text()), up_commands(COMPOSE_FILE.read_text())
-    assert from_readme == from_compose == {"docker compose up -d --build"}
+    from_docs, from_compose = up_commands(DEPLOY.read_text()), up_commands(COMPOSE_FILE.read_text())
+    assert from_docs == from_compose == {"docker compose up -d --build"}
 
 
 # -- the retry itself -------------------------------------------------------------------

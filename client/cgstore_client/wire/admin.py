@@ -1,4 +1,4 @@
-"""Wire types of the admin views (README "Operations"): ``GET /v1/admin/stats`` and ``cgstore ls/show/stats``.
+"""Wire types of the admin views (docs/operations.md "Admin views"): ``GET /v1/admin/stats`` and ``cgstore ls/show/stats``.
 
 The CLI's ``--json`` lines are these same objects, so a tool reads the
 endpoint and the command alike. Bounds of the lists are defined here, once.

@@ -1,4 +1,4 @@
-"""HTTP endpoint of the admin views (README "Operations"): ``GET /v1/admin/stats`` for admins. Thin."""
+"""HTTP endpoint of the admin views (docs/operations.md "Admin views"): ``GET /v1/admin/stats`` for admins. Thin."""
 
 from __future__ import annotations
 
@@ -18,4 +18,5 @@ router = APIRouter(prefix="/v1/admin", tags=["admin"])
 async def stats(
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
 ) -> AdminStats:
+    """Admin views: records per family, sm and lane; bytes and dedup; top publishers; recent denials (admin)."""
     return await run_in_threadpool(service.read_stats, ctx, claims)

@@ -37,6 +37,7 @@ async def list_audit(
     claims: Claims = Depends(require_claims),
     ctx: StoreContext = Depends(get_context),
 ) -> AuditPage:
+    """The audit log, filtered and keyset-paged: every mutation and every denial (admin)."""
     where = service.AuditFilter(
         actor=actor, jti=jti, repo=repo, action=action, target=target, outcome=outcome, source=source,
         since=parse_utc(since, "since"), until=parse_utc(until, "until"),

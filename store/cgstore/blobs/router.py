@@ -42,6 +42,7 @@ async def head_blob(
     owner: str, repo: str, digest: str,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Whether the repo holds the blob, and its size (a miss and an unreadable blob look alike)."""
     location = await run_in_threadpool(service.locate, ctx, claims, owner, repo, digest)
     return Response(status_code=200, headers=_blob_headers(location.digest, location.size))
 
@@ -51,6 +52,7 @@ async def get_blob(
     owner: str, repo: str, digest: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Download a blob (ranges allowed; on S3, 307 to a presigned URL)."""
     location = await run_in_threadpool(service.locate, ctx, claims, owner, repo, digest)
     url = await run_in_threadpool(service.download_url, ctx, location)
     if url is not None:
@@ -73,6 +75,7 @@ async def missing_blobs(
     owner: str, repo: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> MissingAnswer:
+    """Which of the given digests the repo lacks: what a publisher still has to upload."""
     query = await read_json(request, MissingQuery, ctx.settings.max_json_bytes)
     missing = await run_in_threadpool(service.missing, ctx, claims, owner, repo, query.digests)
     return MissingAnswer(missing=missing)
@@ -83,6 +86,7 @@ async def put_blob(
     owner: str, repo: str, digest: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Upload a whole blob; stored only if its blake3 digest and size match."""
     size = await feed_body(request, service.upload(ctx, claims, owner, repo, digest, declared_length(request)))
     return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
 
@@ -98,6 +102,7 @@ async def mount_blob(
     source: str = Query(alias="from"),
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Link a blob the caller can read in another repo into this one, without uploading it."""
     size = await run_in_threadpool(service.mount, ctx, claims, owner, repo, digest, source)
     return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
 
@@ -107,6 +112,7 @@ async def open_upload(
     owner: str, repo: str,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Open a resumable upload session."""
     session_id = await run_in_threadpool(service.open_session, ctx, claims, owner, repo)
     return Response(status_code=202, headers=_upload_headers(owner, repo, session_id, 0))
 
@@ -116,6 +122,7 @@ async def upload_chunk(
     owner: str, repo: str, session_id: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Append a chunk at the session's offset (`Upload-Offset`)."""
     content_range = parse_content_range(request.headers.get("content-range"))
     offset = await feed_body(request, service.append(ctx, claims, owner, repo, session_id, content_range))
     return Response(status_code=202, headers=_upload_headers(owner, repo, session_id, offset))
@@ -126,6 +133,7 @@ async def upload_status(
     owner: str, repo: str, session_id: str,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """The session's offset, to resume after a dropped connection."""
     offset = await run_in_threadpool(service.session_offset, ctx, claims, owner, repo, session_id)
     return Response(status_code=204, headers=_upload_headers(owner, repo, session_id, offset))
 
@@ -136,6 +144,7 @@ async def commit_upload(
     digest: str = Query(),  # its grammar (DIGEST_INVALID) bounds it, in the service
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Commit the session as the blob of the given digest, verified."""
     size = await feed_body(request, service.commit_session(ctx, claims, owner, repo, session_id, digest))
     return Response(status_code=201, headers=_created_headers(owner, repo, digest, size))
 
@@ -145,5 +154,6 @@ async def cancel_upload(
     owner: str, repo: str, session_id: str,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Cancel the session and reclaim its staged bytes."""
     await run_in_threadpool(service.cancel_session, ctx, claims, owner, repo, session_id)
     return Response(status_code=204)

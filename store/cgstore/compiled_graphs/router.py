@@ -49,6 +49,7 @@ async def publish(
     owner: str, repo: str, key: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Publish a compiled-graph record under its ck1 key (admission checks the archive statically)."""
     manifest = await read_json(request, Manifest, ctx.settings.max_json_bytes)
     published = await run_in_threadpool(service.publish, ctx, claims, owner, repo, key, manifest)
     return _json(published.answer, 201 if published.created else 200)
@@ -59,6 +60,7 @@ async def get_record(
     owner: str, repo: str, key: str,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """The live record of a key in this repo."""
     return _json(await run_in_threadpool(service.get_record, ctx, claims, owner, repo, key))
 
 
@@ -72,6 +74,7 @@ async def list_records(
     limit: int = Query(DEFAULT_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """The repo's live records, newest first, paged."""
     page = await run_in_threadpool(
         service.list_records, ctx, claims, owner, repo, family=family, sm=sm, lane=lane, cursor=cursor, limit=limit
     )
@@ -83,6 +86,7 @@ async def yank(
     owner: str, repo: str, key: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Take a record out of resolve, with a reason (admin)."""
     body = await read_json(request, YankRequest, ctx.settings.max_json_bytes)
     return _json(await run_in_threadpool(service.yank, ctx, claims, owner, repo, key, body.reason))
 
@@ -91,6 +95,7 @@ async def yank(
 async def resolve(
     request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """Look up ck1 keys of a family: the best readable live record of each, or a miss."""
     query = await read_json(request, ResolveRequest, ctx.settings.max_json_bytes)
     urls_for = _url_builder(ctx, str(request.base_url).rstrip("/"))
     return Response(await run_in_threadpool(service.resolve, ctx, claims, query, urls_for), media_type=_JSON)

@@ -19,11 +19,13 @@ router = APIRouter(tags=["service"])
 
 @router.get("/healthz")
 async def healthz() -> dict:
+    """Liveness: the process answers."""
     return {"status": "ok"}
 
 
 @router.get("/readyz", responses={503: {"description": "not ready: the failing checks say which"}})
 async def readyz(response: Response, ctx: StoreContext = Depends(get_context)) -> dict:
+    """Readiness: the database and the object store answer."""
     checks = await run_in_threadpool(service.readiness, ctx)
     ready = all(check == "ok" for check in checks.values())
     if not ready:
@@ -38,10 +40,12 @@ async def readyz(response: Response, ctx: StoreContext = Depends(get_context)) -
 async def metrics(
     ctx: StoreContext = Depends(get_context), authorization: str | None = Header(None, include_in_schema=False)
 ) -> Response:
+    """Prometheus metrics, only to the metrics token (else 404)."""
     payload = await run_in_threadpool(service.metrics_text, ctx, authorization)
     return Response(payload, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/capabilities")
 async def capabilities(ctx: StoreContext = Depends(get_context)) -> dict:
+    """What this store supports: digest algorithms, key schemes, archive kinds, limits."""
     return service.capabilities(ctx)

@@ -19,6 +19,7 @@ router = APIRouter(prefix="/v1/owners", tags=["owners"])
 async def claim_owner(
     request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
 ) -> OwnerInfo:
+    """Claim an owner slug for the calling principal."""
     body = await read_json(request, OwnerClaim, ctx.settings.max_json_bytes)
     owner = await run_in_threadpool(service.claim_owner, ctx.db, claims, body.slug)
     return OwnerInfo(slug=owner.slug, principal=owner.principal, created_at=owner.created_at)

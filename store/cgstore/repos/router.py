@@ -28,6 +28,7 @@ async def configure_repo(
     owner: str, repo: str, request: Request, response: Response,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> RepoInfo:
+    """Create or configure a repo (visibility: public to readers, or a private cache)."""
     body = await read_json(request, RepoSettings, ctx.settings.max_json_bytes)
     info = await run_in_threadpool(service.configure_repo, ctx.db, claims, owner, repo, body.visibility)
     response.status_code = 201 if info.created else 200
@@ -43,5 +44,6 @@ async def preflight(
     min_ttl_s: int = Query(DEFAULT_MIN_TTL_S, ge=0, le=MAX_TTL_S),
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
+    """May this token publish here, for at least `min_ttl_s`? (before a long compile)"""
     await run_in_threadpool(service.preflight, ctx.db, claims, owner, repo, min_ttl_s, ctx.tokens.now())
     return Response(status_code=204)

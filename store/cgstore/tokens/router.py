@@ -36,6 +36,7 @@ router = APIRouter(prefix="/v1", tags=["tokens"])
 async def mint_token(
     request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
 ) -> MintResponse:
+    """Mint a token (admin)."""
     is_admin(claims).enforce()
     body = await read_json(request, MintRequest, ctx.settings.max_json_bytes)
     minted = await run_in_threadpool(
@@ -48,6 +49,7 @@ async def mint_token(
 async def attenuate_token(
     request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
 ) -> MintResponse:
+    """Mint a child of the calling token, never wider than it."""
     body = await read_json(request, AttenuateRequest, ctx.settings.max_json_bytes)
     minted = await run_in_threadpool(ctx.tokens.attenuate, claims, _grants(body.grants), body.ttl_s, body.platform)
     return MintResponse(token=minted.token, jti=minted.jti, exp=minted.exp)
@@ -59,6 +61,7 @@ async def list_tokens(
     claims: Claims = Depends(require_claims),
     ctx: StoreContext = Depends(get_context),
 ) -> TokenList:
+    """Every recorded token, never the token itself (admin)."""
     is_admin(claims).enforce()
     infos = await run_in_threadpool(ctx.tokens.list_tokens, sub)
     return TokenList(tokens=[_info(info) for info in infos])
@@ -68,6 +71,7 @@ async def list_tokens(
 async def revoke_token(
     jti: str, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
 ) -> RevokeResponse:
+    """Revoke a token and every token attenuated from it."""
     is_admin(claims).enforce()
     revoked = await run_in_threadpool(ctx.tokens.revoke, jti, actor=claims)
     return RevokeResponse(revoked=revoked)
@@ -75,6 +79,7 @@ async def revoke_token(
 
 @router.get("/keys", response_model=Jwks)
 async def keys(ctx: StoreContext = Depends(get_context)) -> Jwks:
+    """The store's public keys (JWKS): verify tokens and receipts offline."""
     jwks = await run_in_threadpool(_jwks, ctx)
     return Jwks(keys=[Jwk(**key) for key in jwks])
 

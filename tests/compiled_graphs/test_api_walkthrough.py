@@ -1,4 +1,4 @@
-"""The README's compiled-graph walk-through, run literally with bash and curl against ``cgstore serve``.
+"""The API page's compiled-graph walk-through (docs/api.md), run literally with bash and curl against ``cgstore serve``.
 
 Only two substitutions: the store's address (a free port instead of 8080), and
 the mint step, which copies the session's cached archive of the same model
@@ -16,15 +16,14 @@ import sys
 
 import pytest
 
+from tests.support.docs import example
 from tests.support.services import REPO_ROOT, free_port, stop_process, wait_for_port
 
 MINT_STEP = ".venv/bin/python -m tests.support.archives mint model.pt2"
 
 
 def walkthrough() -> str:
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme[readme.index("### Compiled graphs: resolve, read, list, yank"):]
-    return re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    return example("api-walkthrough") + "\n"
 
 
 @pytest.fixture
