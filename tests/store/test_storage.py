@@ -36,10 +36,14 @@ from cgstore.core.errors import (
     Unavailable,
 )
 from cgstore.storage import StagedUpload, open_storage
-from cgstore.storage import s3 as s3_module
+from cgstore.storage.s3 import driver as s3_driver
+from cgstore.storage.s3 import staging as s3_staging
 from cgstore.storage.fs import FileStorage
 from cgstore.storage.hashing import READ_CHUNK_BYTES, blake3_digest, blob_key, parse_digest
-from cgstore.storage.s3 import COMPLETE_READ_TIMEOUT_S, S3Storage, _PartBuffers, _s3_errors, _ViewsReader
+from cgstore.storage.s3 import S3Storage
+from cgstore.storage.s3.driver import COMPLETE_READ_TIMEOUT_S
+from cgstore.storage.s3.errors import s3_errors
+from cgstore.storage.s3.multipart import PartBuffers, ViewsReader
 from tests.support.services import free_port, moto_s3_server, stop_process, use_test_aws_credentials
 from tests.support.storage_fixtures import (
     S3_TEST_CONCURRENCY,
@@ -510,13 +514,13 @@ def test_chunks_s3_cannot_join_server_side_are_streamed_through_a_verified_write
 
 
 def test_copy_plan_splits_huge_chunks_and_refuses_what_s3_cannot_join():
-    plan = s3_module._copy_plan
+    plan = s3_staging.copy_plan
     assert plan([]) == []
     assert plan([("a", 6 * MiB), ("b", 1)]) == [("a", 0, 6 * MiB), ("b", 0, 1)]
     assert plan([("a", 1), ("b", 6 * MiB)]) is None
     huge = 11 << 30  # over two 5 GiB parts: three equal ranges
     pieces = plan([("h", huge)])
-    assert len(pieces) == 3 and all(end - start <= s3_module.MAX_PART_BYTES for _, start, end in pieces)
+    assert len(pieces) == 3 and all(end - start <= s3_staging.MAX_PART_BYTES for _, start, end in pieces)
     assert pieces[0][1] == 0 and pieces[-1][2] == huge
     assert all(a[2] == b[1] for a, b in zip(pieces, pieces[1:]))  # contiguous
     assert plan([("c", 6 * MiB)] * 10_001) is None
@@ -675,13 +679,13 @@ def test_missing_bucket_is_unavailable(s3_server):
 )
 def test_store_side_error_answers_are_unavailable(code, status):
     answer = {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}
-    with pytest.raises(Unavailable), _s3_errors("put_object"):
+    with pytest.raises(Unavailable), s3_errors("put_object"):
         raise ClientError(answer, "PutObject")
 
 
 def test_other_client_errors_are_not_disguised_as_outages():
     answer = {"Error": {"Code": "InvalidArgument", "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": 400}}
-    with pytest.raises(ClientError), _s3_errors("put_object"):
+    with pytest.raises(ClientError), s3_errors("put_object"):
         raise ClientError(answer, "PutObject")
 
 
@@ -730,7 +734,7 @@ def test_s3_sweep_spares_the_writes_in_flight_of_its_own_process(s3_server, tmp_
 
 def test_s3_sweep_reclaims_a_writer_its_own_process_abandoned(s3_server, tmp_path, big_data, monkeypatch):
     """Ours, but idle for longer than the threshold and the grace: abandoned (a stuck request)."""
-    monkeypatch.setattr(s3_module, "LIVE_WRITER_GRACE_S", 1.0)  # instead of waiting 5 s
+    monkeypatch.setattr(s3_driver, "LIVE_WRITER_GRACE_S", 1.0)  # instead of waiting 5 s
     case = build_storage_case("s3", tmp_path, s3_server)
     abandoned = start_multipart_write(case.storage, big_data)
     assert case.storage.sweep_orphans(0) == 0  # idle for less than the grace
@@ -995,7 +999,7 @@ def test_s3_part_buffers_are_pooled_reused_and_bounded(s3_server, tmp_path):
 
 
 def test_part_buffers_wait_for_a_release_and_give_up_in_time():
-    buffers = _PartBuffers(limit=2, wait_s=1.0)
+    buffers = PartBuffers(limit=2, wait_s=1.0)
     first, second = buffers.acquire(10), buffers.acquire(10)
     got = []
     waiter = threading.Thread(target=lambda: got.append(buffers.acquire(10)))
@@ -1018,7 +1022,7 @@ def test_views_reader_reads_across_views_and_rewinds():
     data = os.urandom(1000)
     backing = bytearray(data)
     views = [memoryview(backing)[0:1], memoryview(backing)[1:400], memoryview(data)[400:1000]]
-    reader = _ViewsReader(views)
+    reader = ViewsReader(views)
     assert len(reader) == 1000
     assert b"".join(iter(lambda: reader.read(64), b"")) == data
     assert reader.read(10) == b""
@@ -1027,7 +1031,7 @@ def test_views_reader_reads_across_views_and_rewinds():
     assert reader.tell() == 997 and reader.read(100) == data[997:]
     reader.seek(399)
     assert reader.read(2) == data[399:401]
-    assert _ViewsReader([]).read() == b""
+    assert ViewsReader([]).read() == b""
 
 
 def test_s3_connection_pool_keeps_a_connection_for_every_request_thread(s3_server, tmp_path, caplog):

@@ -1,6 +1,6 @@
 """The storage interface: thin drivers below, verified blobs above, once.
 
-A driver (``fs.py``, ``s3.py``) implements ``ObjectStore``: a plain object
+A driver (``fs.py``, the ``s3`` package) implements ``ObjectStore``: a plain object
 store of keys (``blobs/<hex[:2]>/<hex>``, ``uploads/…``) that can stream bytes
 to a key and publish them atomically (``open_write`` → ``PendingObject``),
 read a range, stat, list by prefix with a cursor, delete and presign. It knows
