@@ -23,9 +23,11 @@ store), so they are as trusted as its verified digest.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable, Mapping
-from contextlib import ExitStack
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cgstore_client.archive import inspect
@@ -50,6 +52,44 @@ class Bindable(Protocol):
 
     artifact_path: os.PathLike[str] | str
     component_paths: Mapping[str, os.PathLike[str] | str]
+
+
+#: Loggers that warn about every weight-free archive (see ``_quiet``).
+_TORCH_PACKAGE_LOGGERS = ("torch.export.pt2_archive._package", "torch._inductor.package.package")
+
+
+@contextmanager
+def _as_pt2(path: str | os.PathLike[str]) -> Iterator[str]:
+    """``path`` under a name torch accepts as a package: it takes a file for one only by its
+    ``.pt2`` suffix, and a cached blob is named by its digest. A symlink, never a copy."""
+    path = os.fspath(path)
+    if path.endswith(".pt2"):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="cgstore-load-") as scratch:
+        link = os.path.join(scratch, "model.pt2")
+        os.symlink(os.path.abspath(path), link)
+        yield link  # torch has extracted what it runs by the time the link goes
+
+
+@contextmanager
+def _quiet(names: Iterable[str]) -> Iterator[None]:
+    """Silence torch's package warnings for one load.
+
+    The mint's archives deliberately hold no weights and no sample inputs, so
+    torch's full-program loader fails on them and falls back to loading the
+    AOTI runner alone, which is all a worker needs, warning "Loading outdated
+    pt2 file" each time. Errors still surface.
+    """
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _open_tensors(paths: Iterable[os.PathLike[str] | str], stack: ExitStack) -> dict[str, Any]:
@@ -164,7 +204,8 @@ def load_compiled(loaded: Bindable, checkpoint: Checkpoint, *, device: str = "cp
     import torch
 
     report = inspect(loaded.artifact_path)
-    compiled = torch._inductor.aoti_load_package(os.fspath(loaded.artifact_path))
+    with _as_pt2(loaded.artifact_path) as package, _quiet(_TORCH_PACKAGE_LOGGERS):
+        compiled = torch._inductor.aoti_load_package(package)
     with ExitStack() as stack:
         components = _open_tensors(loaded.component_paths.values(), stack)
         binder = _Binder(report.binding_table, report.metadata.ties, _Lazy(components),

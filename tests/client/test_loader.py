@@ -36,6 +36,25 @@ def test_another_checkpoint_binds_by_name_and_matches_eager(pt2_archive, tmp_pat
         assert torch.equal(compiled(inputs, offset), eager(inputs, offset))
 
 
+def test_a_cached_blob_loads_without_a_torch_warning(pt2_archive, tmp_path, capfd, caplog):
+    """The cache names a blob by its digest, without ``.pt2``: torch must still take it as a package, quietly."""
+    blob = tmp_path / "blobs" / "blake3" / "0f1e2d"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(pt2_archive.read_bytes())
+    (tmp_path / "consts.safetensors").write_bytes(Path(derived_constants_path(pt2_archive)).read_bytes())
+    eager = tiny_model(seed=4)
+    target = Loaded(key="ck1-" + "0" * 56, artifact_path=blob,
+                    component_paths={DERIVED_COMPONENT: tmp_path / "consts.safetensors"})
+    with caplog.at_level("WARNING"):
+        compiled = load_compiled(target, eager.state_dict())
+    inputs, offset = tiny_inputs(3)
+    assert torch.equal(compiled(inputs, offset), eager(inputs, offset))
+    printed = capfd.readouterr()
+    said = printed.out + printed.err + caplog.text
+    assert "Unable to load package" not in said and "outdated" not in said, said
+    assert [p.name for p in blob.parent.iterdir()] == ["0f1e2d"]  # nothing left beside the blob
+
+
 def test_every_gap_is_named_before_any_call(pt2_archive):
     state = tiny_model(seed=3).state_dict()
     state["lin.weight"] = state["lin.weight"].double()
