@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from cgstore_client.components import ComponentHeader
@@ -366,19 +366,26 @@ _PAGE_FRAME_BYTES = len(RecordPage(records=[], next_cursor=str(MAX_ROW_ID)).mode
 
 
 def _fill_page(session: Session, target: Repo, batches: Iterable[list[CompiledGraph]], limit: int) -> RecordPage:
-    """The first rows of ``batches`` that fit ``limit`` and ``MAX_PAGE_BYTES`` (at least one); the cursor past them."""
+    """The first records that fit ``limit`` and ``MAX_PAGE_BYTES`` (at least one); the cursor past them."""
     records: list[Record] = []
     size, last_id = _PAGE_FRAME_BYTES, 0
+    for row_id, record in _records_of(session, target, batches):
+        size += len(to_json(record)) + 1
+        if len(records) == limit or (records and size > MAX_PAGE_BYTES):
+            return RecordPage(records=records, next_cursor=str(last_id))
+        records.append(record)
+        last_id = row_id
+    return RecordPage(records=records, next_cursor=None)
+
+
+def _records_of(
+    session: Session, target: Repo, batches: Iterable[list[CompiledGraph]]
+) -> Iterator[tuple[int, Record]]:
+    """Each row's id and record, built one batch at a time (its components in one query) as the page asks."""
     for batch in batches:
         components = _components_of(session, [row.id for row in batch])
         for row in batch:
-            record = to_record(target, row, components.get(row.id, []))
-            size += len(to_json(record)) + 1
-            if len(records) == limit or (records and size > MAX_PAGE_BYTES):
-                return RecordPage(records=records, next_cursor=str(last_id))
-            records.append(record)
-            last_id = row.id
-    return RecordPage(records=records, next_cursor=None)
+            yield row.id, to_record(target, row, components.get(row.id, []))
 
 
 def _parse_cursor(cursor: str | None) -> int:
