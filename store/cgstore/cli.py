@@ -15,6 +15,7 @@ import re
 from typing import Annotated
 
 import typer
+from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 
 from cgstore.admin.cli import COMMANDS as ADMIN_COMMANDS
 from cgstore.audit.cli import audit_command
@@ -147,12 +148,18 @@ def token_mint(
 @token_app.command("list")
 def token_list(sub: Annotated[str | None, typer.Option(help="Only this principal's tokens.")] = None) -> None:
     """Every recorded token: jti, sub, status, expiry, parent, grants (never the token)."""
-    for info in _token_service().list_tokens(sub):
-        grants = " ".join(f"{g['repo']}:{','.join(g['actions'])}" for g in info.grants)
-        typer.echo(
-            f"{info.jti}  {info.sub}  {info.status}  exp={info.expires_at.isoformat()}  "
-            f"parent={info.parent_jti or '-'}  plt={str(info.platform).lower()}  {grants}"
-        )
+    tokens, cursor = _token_service(), None
+    while True:  # page by page, so a large table is never held at once
+        page = tokens.list_tokens(sub, cursor=cursor, limit=MAX_TOKEN_PAGE)
+        for info in page.tokens:
+            grants = " ".join(f"{g['repo']}:{','.join(g['actions'])}" for g in info.grants)
+            typer.echo(
+                f"{info.jti}  {info.sub}  {info.status}  exp={info.expires_at.isoformat()}  "
+                f"parent={info.parent_jti or '-'}  plt={str(info.platform).lower()}  {grants}"
+            )
+        if page.next_cursor is None:
+            return
+        cursor = page.next_cursor
 
 
 @token_app.command("revoke")

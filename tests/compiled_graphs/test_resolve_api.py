@@ -9,8 +9,15 @@ from sqlalchemy import event, select, update
 from cgstore.audit.models import AuditEvent
 from cgstore.compiled_graphs.models import CompiledGraph
 
-from cgstore_client.wire.records import MAX_RESOLVE_KEYS, Record, RecordPage, ResolveAnswer
-from tests.compiled_graphs.support import FAMILY, error_code, publication, publish
+from cgstore_client.wire.records import (
+    MAX_FREE_FORM_BYTES,
+    MAX_PAGE_BYTES,
+    MAX_RESOLVE_KEYS,
+    Record,
+    RecordPage,
+    ResolveAnswer,
+)
+from tests.compiled_graphs.support import FAMILY, error_code, publication, publish, upload_all
 from tests.support.live_store import unique_repo
 
 
@@ -267,6 +274,41 @@ def test_list_filters_and_paginates_by_keyset(store, pt2_archive, report_a, cons
         assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"lane": "fused+dense"}).json()["records"] == []
         assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"limit": 1001}).status_code == 400
         assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"cursor": "x"}).status_code == 400
+
+
+def list_all(client: httpx.Client, name: str, **params) -> list[RecordPage]:
+    """Every page of a listing, following ``next_cursor``; each answer is checked against the byte bound."""
+    pages, cursor = [], None
+    while True:
+        answer = client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={**params, **({"cursor": cursor} if cursor else {})})
+        assert answer.status_code == 200, answer.text
+        assert len(answer.content) <= MAX_PAGE_BYTES
+        pages.append(RecordPage.model_validate_json(answer.content))
+        if pages[-1].next_cursor is None:
+            return pages
+        cursor = pages[-1].next_cursor
+
+
+def test_a_listing_page_is_cut_by_bytes_and_the_cursor_goes_on(store, pt2_archive, report_a, constants_a):
+    """Issue 15 §6: records with evidence near its bound, asked 1000 at a time, answer pages under MAX_PAGE_BYTES."""
+    name = unique_repo()
+    token = store.mint("minter", f"acme/{name}:read,write")
+    padding = {"pad": "x" * (MAX_FREE_FORM_BYTES - 64)}
+    pubs = [
+        publication(pt2_archive, report_a, components={"consts": constants_a},
+                    envelope={"shapes": [[8 * (i + 1), 8]], "text_len": 0},
+                    evidence={"kernel_lane_evidence": padding, "mint_phases": padding})
+        for i in range(2 * MAX_PAGE_BYTES // (2 * MAX_FREE_FORM_BYTES) + 2)
+    ]
+    with store.client(token) as client:
+        upload_all(client, "acme", name, pubs[0])  # every publication names the same blobs
+        for pub in pubs:
+            assert publish(client, "acme", name, pub, send_blobs=False).status_code == 201
+        pages = list_all(client, name, limit=1000)
+        one_by_one = list_all(client, name, limit=1)
+    assert len(pages) >= 3 and all(0 < len(page.records) < len(pubs) for page in pages)
+    assert [record.key for page in pages for record in page.records] == [pub.key for pub in pubs]
+    assert [page.records[0].key for page in one_by_one] == [pub.key for pub in pubs]
 
 
 def test_openapi_schema_uses_the_wire_types(store):

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from cgstore.tokens.keys import key_id
-from cgstore.tokens.service import TokenService
+from cgstore.tokens.service import LEEWAY_S, TokenService
 from tests.security.conftest import b64, b64json, code, decode_unverified, payload, sign, store_key
 from tests.support.audit import audited
 
@@ -80,6 +80,23 @@ def test_expired(store, target):
     )
     expired = past.mint("victim", [f"acme/{target['name']}:read"], 3600).token
     refused(store, target, expired, "expired")
+
+
+def test_expiry_is_judged_with_the_clock_skew_leeway(store, target):
+    """``exp`` tolerates LEEWAY_S (10 s) of skew: expired 5 s ago still reads; expired 15 s ago is 401."""
+
+    def minted_expired(ago_s: int) -> str:
+        ttl_s = 60
+        past = TokenService(
+            store.context.db, store.settings, keys=store.context.tokens.keys,
+            clock=lambda: time.time() - ttl_s - ago_s,
+        )
+        return past.mint("victim", [f"acme/{target['name']}:read"], ttl_s).token
+
+    assert LEEWAY_S == 10
+    with store.client(minted_expired(5)) as client:
+        assert client.get(target["url"]).status_code in (200, 307)  # the bytes, or (production) a redirect to them
+    refused(store, target, minted_expired(15), "expired")
 
 
 def test_not_yet_valid(store, target):

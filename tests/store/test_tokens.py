@@ -818,7 +818,7 @@ def test_revoked_ancestor_invalidates_a_child_not_yet_marked(svc: TokenService, 
         )
     with pytest.raises(TokenInvalid, match="parent token was revoked"):
         svc.verify(child.token)
-    assert {t.jti: t.status for t in svc.list_tokens()}[child.jti] == "revoked"
+    assert {t.jti: t.status for t in svc.list_tokens().tokens}[child.jti] == "revoked"
 
 
 def test_a_revoked_grandparent_invalidates_a_grandchild(svc: TokenService, db: Database) -> None:
@@ -857,9 +857,9 @@ def test_list_tokens_with_status(svc: TokenService, clock: FakeClock) -> None:
     active = svc.mint("bob", ["beta/*:write"], ttl_s=600)
     svc.revoke(revoked.jti)
     clock.advance(11)
-    statuses = {t.jti: t.status for t in svc.list_tokens()}
+    statuses = {t.jti: t.status for t in svc.list_tokens().tokens}
     assert statuses == {short.jti: "expired", revoked.jti: "revoked", active.jti: "active"}
-    bobs = svc.list_tokens(sub="bob")
+    bobs = svc.list_tokens(sub="bob").tokens
     assert [t.jti for t in bobs] == [active.jti]
     assert bobs[0].grants == [{"repo": "beta/*", "actions": ["write"]}]
     assert bobs[0].expires_at == dt.datetime.fromtimestamp(active.exp, dt.UTC)
@@ -966,7 +966,7 @@ def test_concurrent_first_mints_for_one_principal(svc: TokenService) -> None:
         thread.join()
     assert errors == []
     assert is_platform(svc, "racer")
-    assert len(svc.list_tokens(sub="racer")) == 8
+    assert len(svc.list_tokens(sub="racer").tokens) == 8
 
 
 def test_tenant_wildcard_cannot_write_root(svc: TokenService) -> None:

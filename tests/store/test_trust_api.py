@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import subprocess
 import sys
 import uuid
 
+from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 from sqlalchemy import select
 
 from cgstore.audit.models import AuditEvent
 from cgstore.repos.service import find_repo
+from cgstore.tokens.models import TokenRecord
 from tests.support.live_store import unique_repo
 
 CGSTORE = [sys.executable, "-m", "cgstore.cli"]
@@ -71,6 +74,57 @@ def test_list_shows_claims_and_status_never_the_token(store):
     assert row["parent"] is None and row["grants"] == [grant("acme/x", "read")]
     with store.client(store.mint("t", "acme/*:read")) as client:
         assert client.get("/v1/tokens").status_code == 403
+
+
+def list_pages(client, **params) -> list[dict]:
+    """Every page of ``GET /v1/tokens``, following ``next_cursor``."""
+    pages, cursor = [], None
+    while True:
+        answer = client.get("/v1/tokens", params={**params, **({"cursor": cursor} if cursor else {})})
+        assert answer.status_code == 200, answer.text
+        pages.append(answer.json())
+        if pages[-1]["next_cursor"] is None:
+            return pages
+        cursor = pages[-1]["next_cursor"]
+
+
+def test_the_token_listing_pages_by_keyset(store):
+    """Issue 15 §6: more tokens than a page holds, each listed exactly once, oldest first (both filters)."""
+    sub = f"pager-{uuid.uuid4().hex[:6]}"
+    minted = [store.context.tokens.mint(sub, ["acme/x:read"], 600).jti for _ in range(7)]
+    with store.client(store.mint("ops", "*/*:admin")) as client:
+        pages = list_pages(client, sub=sub, limit=3)
+        everyone = [t["jti"] for page in list_pages(client, limit=4) for t in page["tokens"]]
+    assert [len(page["tokens"]) for page in pages] == [3, 3, 1]
+    listed = [t["jti"] for page in pages for t in page["tokens"]]
+    # Minted within the same second: the jti orders tokens issued at the same time.
+    assert sorted(listed) == sorted(minted) and len(set(listed)) == len(listed)
+    issued = [t["issued_at"] for page in pages for t in page["tokens"]]
+    assert issued == sorted(issued)
+    assert len(set(everyone)) == len(everyone) and set(minted) <= set(everyone)
+
+
+def test_a_bad_token_cursor_or_limit_is_refused(store):
+    with store.client(store.mint("ops", "*/*:admin")) as client:
+        for params in ({"cursor": "f" * 32}, {"cursor": "not-a-jti"}, {"cursor": "f" * 65},
+                       {"limit": 0}, {"limit": 1001}, {"limit": "many"}):
+            answer = client.get("/v1/tokens", params=params)
+            assert answer.status_code == 400 and code(answer) == "BAD_REQUEST", (params, answer.text)
+
+
+def test_cli_lists_every_page(store):
+    """``cgstore token list`` follows the pages: more tokens than the largest page, each printed once."""
+    sub = f"many-{uuid.uuid4().hex[:6]}"
+    issued = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    rows = [
+        TokenRecord(jti=f"{sub.replace('-', '')}{n:06d}", sub=sub, grants=[], issued_at=issued,
+                    expires_at=issued + dt.timedelta(hours=1))
+        for n in range(MAX_TOKEN_PAGE + 1)
+    ]
+    with store.context.db.session() as session:
+        session.add_all(rows)
+    listed = [line.split()[0] for line in cli(store, "token", "list", "--sub", sub).splitlines()]
+    assert sorted(listed) == sorted(row.jti for row in rows)
 
 
 def test_revoke_cascades_to_every_descendant(store):

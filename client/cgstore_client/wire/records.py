@@ -24,6 +24,9 @@ MAX_RESOLVE_KEYS = 256
 MAX_LIST_LIMIT = 1000
 #: Default page size of a listing.
 DEFAULT_LIST_LIMIT = 100
+#: Largest listing page, as served JSON: a page ends before a record would pass it (never empty while
+#: records remain), so a listing's answer stays small whatever ``limit`` asks and the records hold.
+MAX_PAGE_BYTES = 1024 * 1024
 #: Named components per record.
 MAX_COMPONENTS = 64
 #: Longest yank reason kept.
@@ -185,7 +188,11 @@ class PublishAnswer(_Wire):
 
 
 class RecordPage(_Wire):
-    """One page of a repo's records; ``next_cursor`` is None on the last page."""
+    """One page of a repo's records: at most ``limit`` records and ``MAX_PAGE_BYTES`` of JSON.
+
+    ``next_cursor`` is None on the last page; a page may hold fewer records than
+    asked and still have a next one (the byte bound cut it).
+    """
 
     records: list[Record]
     next_cursor: str | None = None

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_TTL_S = 366 * 24 * 3600
 MAX_SUB_LEN = 200
 MAX_GRANTS = 64
+#: Tokens per page of ``GET /v1/tokens``, and the default page.
+MAX_TOKEN_PAGE = 1000
+DEFAULT_TOKEN_PAGE = 100
 
 
 class GrantSpec(BaseModel):
@@ -71,7 +74,10 @@ class TokenInfo(BaseModel):
 
 
 class TokenList(BaseModel):
+    """One page of ``GET /v1/tokens``, oldest first."""
+
     tokens: list[TokenInfo]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null when this page is the last.")
 
 
 class RevokeResponse(BaseModel):

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from cgstore_client.components import ComponentHeader
 from cgstore_client.keys import is_key
 from cgstore_client.wire.records import (
     MAX_LIST_LIMIT,
+    MAX_PAGE_BYTES,
     Artifact,
     Axes,
     Binding,
@@ -69,7 +70,7 @@ from cgstore.core.errors import (
     hidden_miss,
 )
 from cgstore.core.faults import crash_point
-from cgstore.core.http import parse_row_id
+from cgstore.core.http import MAX_ROW_ID, parse_row_id
 from cgstore.core.names import ROOT_OWNER, validate_owner, validate_repo
 from cgstore.core.private import private_dir
 from cgstore.repos.models import Repo
@@ -335,7 +336,13 @@ def list_records(
     ctx: StoreContext, claims: Claims, owner: str, repo: str, *,
     family: str | None, sm: str | None, lane: str | None, cursor: str | None, limit: int,
 ) -> RecordPage:
-    """Live records of a repo, oldest first, keyset-paginated by id (``cursor`` is the last id seen)."""
+    """Live records of a repo, oldest first, keyset-paginated by id (``cursor`` is the last id seen).
+
+    A page ends at ``limit`` records or before its JSON would pass
+    ``MAX_PAGE_BYTES``, whichever comes first. Rows are read ``_LIST_BATCH`` at a
+    time, so a large ``limit`` over large records never holds more than the page
+    and one batch.
+    """
     after = _parse_cursor(cursor)
     limit = min(limit, MAX_LIST_LIMIT)
     with ctx.db.session() as session:
@@ -346,13 +353,39 @@ def list_records(
         for column, value in ((CompiledGraph.family, family), (CompiledGraph.sm, sm), (CompiledGraph.lane, lane)):
             if value is not None:
                 query = query.where(column == value)
-        rows = list(session.scalars(_visible(query, claims, target).order_by(CompiledGraph.id).limit(limit + 1)))
-        page, more = rows[:limit], len(rows) > limit
-        components = _components_of(session, [row.id for row in page])
-    return RecordPage(
-        records=[to_record(target, row, components.get(row.id, [])) for row in page],
-        next_cursor=str(page[-1].id) if more else None,
-    )
+        # limit + 1: the extra row only tells whether a next page exists.
+        query = _visible(query, claims, target).order_by(CompiledGraph.id).limit(limit + 1)
+        batches = session.scalars(query, execution_options={"yield_per": _LIST_BATCH}).partitions()
+        return _fill_page(session, target, batches, limit)
+
+
+#: Rows read per round trip while a listing page fills.
+_LIST_BATCH = 32
+#: The JSON of a page around its records, with the longest cursor: a page's size is this plus each record and a comma.
+_PAGE_FRAME_BYTES = len(RecordPage(records=[], next_cursor=str(MAX_ROW_ID)).model_dump_json())
+
+
+def _fill_page(session: Session, target: Repo, batches: Iterable[list[CompiledGraph]], limit: int) -> RecordPage:
+    """The first records that fit ``limit`` and ``MAX_PAGE_BYTES`` (at least one); the cursor past them."""
+    records: list[Record] = []
+    size, last_id = _PAGE_FRAME_BYTES, 0
+    for row_id, record in _records_of(session, target, batches):
+        size += len(to_json(record)) + 1
+        if len(records) == limit or (records and size > MAX_PAGE_BYTES):
+            return RecordPage(records=records, next_cursor=str(last_id))
+        records.append(record)
+        last_id = row_id
+    return RecordPage(records=records, next_cursor=None)
+
+
+def _records_of(
+    session: Session, target: Repo, batches: Iterable[list[CompiledGraph]]
+) -> Iterator[tuple[int, Record]]:
+    """Each row's id and record, built one batch at a time (its components in one query) as the page asks."""
+    for batch in batches:
+        components = _components_of(session, [row.id for row in batch])
+        for row in batch:
+            yield row.id, to_record(target, row, components.get(row.id, []))
 
 
 def _parse_cursor(cursor: str | None) -> int:

@@ -9,6 +9,8 @@ attenuation answer carries a signed token (the new one).
 from __future__ import annotations
 
 from cgstore_client.wire.tokens import (
+    DEFAULT_TOKEN_PAGE,
+    MAX_TOKEN_PAGE,
     AttenuateRequest,
     GrantSpec,
     Jwk,
@@ -26,7 +28,7 @@ from cgstore.access import is_admin
 from cgstore.context import StoreContext, get_context
 from cgstore.core.http import read_json
 from cgstore.tokens import service
-from cgstore.tokens.claims import MAX_SUB_LEN, Claims
+from cgstore.tokens.claims import MAX_JTI_LEN, MAX_SUB_LEN, Claims
 from cgstore.tokens.dependencies import require_claims
 
 router = APIRouter(prefix="/v1", tags=["tokens"])
@@ -58,13 +60,15 @@ async def attenuate_token(
 @router.get("/tokens", response_model=TokenList)
 async def list_tokens(
     sub: str | None = Query(None, max_length=MAX_SUB_LEN),
+    cursor: str | None = Query(None, max_length=MAX_JTI_LEN),
+    limit: int = Query(DEFAULT_TOKEN_PAGE, ge=1, le=MAX_TOKEN_PAGE),
     claims: Claims = Depends(require_claims),
     ctx: StoreContext = Depends(get_context),
 ) -> TokenList:
     """Every recorded token, never the token itself (admin)."""
     is_admin(claims).enforce()
-    infos = await run_in_threadpool(ctx.tokens.list_tokens, sub)
-    return TokenList(tokens=[_info(info) for info in infos])
+    page = await run_in_threadpool(ctx.tokens.list_tokens, sub, cursor=cursor, limit=limit)
+    return TokenList(tokens=[_info(info) for info in page.tokens], next_cursor=page.next_cursor)
 
 
 @router.delete("/tokens/{jti}", response_model=RevokeResponse)

@@ -35,7 +35,8 @@ from typing import Any
 
 import jwt
 from cgstore_client.receipts import RECEIPT_TYP
-from sqlalchemy import select, text, update
+from cgstore_client.wire.tokens import DEFAULT_TOKEN_PAGE, MAX_TOKEN_PAGE
+from sqlalchemy import ColumnElement, and_, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from cgstore.access import can_attenuate
@@ -91,6 +92,14 @@ class TokenInfo:
     expires_at: dt.datetime
     revoked_at: dt.datetime | None
     status: str
+
+
+@dataclass(frozen=True)
+class TokenPage:
+    """One page of the token listing; ``next_cursor`` is None on the last page."""
+
+    tokens: list[TokenInfo]
+    next_cursor: str | None
 
 
 class TokenService:
@@ -399,22 +408,34 @@ class TokenService:
             )
             return result.rowcount
 
-    def list_tokens(self, sub: str | None = None) -> list[TokenInfo]:
-        """Every recorded token (optionally one principal's), oldest first, with its status.
+    def list_tokens(
+        self, sub: str | None = None, *, cursor: str | None = None, limit: int = DEFAULT_TOKEN_PAGE
+    ) -> TokenPage:
+        """One page of recorded tokens (optionally one principal's), oldest first, with their status.
 
+        Keyset-paginated by ``(issued_at, jti)``: ``cursor`` is the last jti of
+        the previous page (tokens are never deleted, so it stays a valid mark).
         A token is ``revoked`` if it or any ancestor is, so the listing agrees
         with ``verify`` even for a child recorded while its parent was being revoked.
         """
+        limit = max(1, min(limit, MAX_TOKEN_PAGE))
         now = _to_datetime(self.now())
         with self._db.session() as session:
             query = select(TokenRecord).order_by(TokenRecord.issued_at, TokenRecord.jti)
             if sub is not None:
                 # Attenuation keeps sub, so a principal's chains are all in this set.
                 query = query.where(TokenRecord.sub == sub)
-            records = session.scalars(query).all()
-            by_jti = {r.jti: r for r in records}
-            # A filtered listing may lack an ancestor; fetch the missing ones for the status walk.
-            return [_token_info(r, _status(session, r, by_jti, now)) for r in records]
+            if cursor is not None:
+                query = query.where(_after(session, cursor))
+            # limit + 1: the extra row only tells whether a next page exists.
+            records = session.scalars(query.limit(limit + 1)).all()
+            page, more = records[:limit], len(records) > limit
+            by_jti = {r.jti: r for r in page}
+            # A page may lack an ancestor; _status fetches the missing ones for its walk.
+            return TokenPage(
+                tokens=[_token_info(r, _status(session, r, by_jti, now)) for r in page],
+                next_cursor=page[-1].jti if more else None,
+            )
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -477,6 +498,17 @@ def _check_chain_rows(chain: list, jti: str) -> None:
             raise TokenInvalid("token chain is corrupt")
         if depth + 1 == len(chain) or chain[depth + 1].jti != member.parent_jti:
             raise TokenInvalid("a parent token is unknown")
+
+
+def _after(session: Session, cursor: str) -> ColumnElement[bool]:
+    """Tokens listed after the one ``cursor`` names, in the listing's ``(issued_at, jti)`` order."""
+    issued_at = session.scalar(select(TokenRecord.issued_at).where(TokenRecord.jti == cursor)) \
+        if valid_jti(cursor) else None
+    if issued_at is None:
+        raise BadRequest("cursor is not one this store handed out", cursor=cursor[:64])
+    return or_(
+        TokenRecord.issued_at > issued_at, and_(TokenRecord.issued_at == issued_at, TokenRecord.jti > cursor)
+    )
 
 
 def _descendants(session: Session, jti: str) -> set[str]:
