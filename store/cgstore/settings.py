@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     audit_interval_s: float = Field(
         10.0, gt=0, le=3600, description="Repeated 401s per source are written as one audit row per interval."
     )
+    audit_checkpoint_interval_s: float = Field(
+        300.0, gt=0, description="How often the audit chain's head is signed into audit_checkpoints (if it moved)."
+    )
     audit_max_sources: int = Field(
         10_000, ge=1, description="Distinct 401 sources kept per interval; more are counted under source '*'."
     )
