@@ -10,6 +10,7 @@ the shared stores (and, in production, on a second store on the same database).
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
+import jwt
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import delete, select, text, update
 from typer.testing import CliRunner
 
@@ -26,9 +29,10 @@ from cgstore.audit.models import AuditCheckpoint, AuditEvent
 from cgstore.audit.service import record
 from cgstore.cli import app
 from cgstore.core import migrate
-from cgstore.core.db import Database
+from cgstore.core.db import Database, utcnow
 from cgstore.settings import Settings
-from cgstore.tokens.keys import KeyRing
+from cgstore.tokens.keys import KeyRing, key_id, public_pem
+from cgstore.tokens.models import SigningKey
 from tests.audit.conftest import last_id
 from tests.support import services
 from tests.support.live_store import CONFIGURATIONS, unique_repo
@@ -54,7 +58,11 @@ class Log:
             return list(session.scalars(select(AuditEvent.id).order_by(AuditEvent.id)))
 
     def cli(self, *args: str):
-        env = {"CGSTORE_HOME": str(self.settings.home), "CGSTORE_DATABASE_URL": self.settings.resolved_database_url}
+        env = {
+            "CGSTORE_HOME": str(self.settings.home),
+            "CGSTORE_DATABASE_URL": self.settings.resolved_database_url,
+            "COLUMNS": "400",  # rich would fold an error message to the terminal width
+        }
         return CliRunner().invoke(app, ["audit", *args], env=env)
 
     @contextlib.contextmanager
@@ -240,3 +248,39 @@ def test_concurrent_appends_from_several_stores_still_verify(make_store, store):
         assert len(denied.all()) == 160
     assert report.broken is None, report.summary()
     assert report.entries >= 160
+
+
+def test_a_key_planted_in_the_ring_signs_nothing_for_a_pinned_jwks(log, tmp_path):
+    """Whoever writes the database can add a key to ``signing_keys``: only a JWKS kept elsewhere tells."""
+    ids = log.write(3)
+    _checkpoint(log)
+    ring = KeyRing(log.db, log.settings)
+    with log.db.session() as session:
+        pinned = {"keys": ring.jwks(session)}
+    (tmp_path / "jwks.json").write_text(json.dumps(pinned))
+    planted = Ed25519PrivateKey.generate()
+    with log.untriggered() as conn:
+        conn.execute(update(AuditEvent).where(AuditEvent.id == ids[-1]).values(outcome="ok-forged"))
+    with log.db.session() as session:  # rechain the edited entry, sign the new head with the planted key
+        event = session.get(AuditEvent, ids[-1])
+        forged = chain.entry_digest(event)
+        session.add(SigningKey(kid=key_id(planted.public_key()), public_key=public_pem(planted.public_key()),
+                               created_at=utcnow()))
+        claims = {"iss": "cgstore", "aud": chain.CHECKPOINT_AUDIENCE, "iat": 0, "audit_id": ids[-1], "digest": forged}
+        statement = jwt.encode(claims, planted, algorithm="EdDSA",
+                               headers={"kid": key_id(planted.public_key()), "typ": chain.CHECKPOINT_TYP})
+        session.execute(update(AuditCheckpoint).where(AuditCheckpoint.audit_id == ids[-1])
+                        .values(digest=forged, statement=statement, kid=key_id(planted.public_key())))
+        session.execute(text("UPDATE audit_head SET digest = :digest"), {"digest": forged})
+    with log.untriggered() as conn:
+        conn.execute(update(AuditEvent).where(AuditEvent.id == ids[-1]).values(digest=forged))
+    assert log.cli("verify").exit_code == 0  # the table vouches for the planted key (see docs/security.md)
+    result = log.cli("verify", "--keys", str(tmp_path / "jwks.json"))
+    assert result.exit_code == 1
+    assert f"broken at entry {ids[-1]}: checkpoint signature bad (unknown key or not a checkpoint)" in result.output
+
+
+def test_keys_must_be_a_jwks(log, tmp_path):
+    (tmp_path / "not.json").write_text("[1, 2]")
+    result = log.cli("verify", "--keys", str(tmp_path / "not.json"))
+    assert result.exit_code == 2 and "not a JWKS" in result.output

@@ -25,6 +25,9 @@ under a lease) signs the head, ``(audit_id, digest, iat)``, as a compact JWS
 with the key ring that signs tokens and receipts (a ``typ`` no token check
 accepts), so ``GET /v1/keys`` verifies it. Nothing after the last checkpoint is
 signed: an attacker who deletes the tail and fixes ``audit_head`` goes unseen.
+``verify`` trusts the ring's table by default; given a JWKS kept outside the
+database (``jwks_public_keys``) it trusts only that, so a key planted in the
+table signs nothing.
 """
 
 from __future__ import annotations
@@ -144,6 +147,23 @@ def ring_public_keys(session: Session) -> dict[str, Ed25519PublicKey]:
         if isinstance(key, Ed25519PublicKey) and key_id(key) == kid:
             found[kid] = key
     return found
+
+
+def jwks_public_keys(jwks: Mapping) -> Callable[[Session], dict[str, Ed25519PublicKey]]:
+    """Trust exactly the keys of ``jwks`` (as ``GET /v1/keys`` answers), not the ``signing_keys`` table.
+
+    Whoever can write the database can add a key of their own to the ring and
+    sign forged checkpoints with it; a JWKS kept elsewhere cannot be edited so.
+    A JWK whose key does not hash to its kid is left out.
+    """
+    from cgstore.tokens.keys import key_id
+
+    found = {}
+    for entry in jwks.get("keys", []):
+        key = jwt.PyJWK(entry, algorithm=CHECKPOINT_ALGORITHM).key
+        if isinstance(key, Ed25519PublicKey) and key_id(key) == entry.get("kid"):
+            found[entry["kid"]] = key
+    return lambda _session: found
 
 
 def _checkpoint_fault(row: AuditCheckpoint, keys: Mapping[str, Ed25519PublicKey]) -> str | None:

@@ -19,8 +19,10 @@ first broken entry. ``cgstore audit checkpoint`` signs the chain head now
 from __future__ import annotations
 
 import datetime as dt
+import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -101,17 +103,32 @@ def _listing(parse_duration):
 
 def verify(
     since: Annotated[int | None, typer.Option(min=1, help="Start at this entry (it must chain to the one before).")] = None,
+    keys: Annotated[Path | None, typer.Option(
+        exists=True, dir_okay=False,
+        help="Trust only this JWKS (GET /v1/keys, kept outside the database) for checkpoints, not the key table.",
+    )] = None,
 ) -> None:
     """Recompute the audit chain and check its signed checkpoints; exit 1 naming the first broken entry."""
+    trusted = {} if keys is None else {"public_keys": chain.jwks_public_keys(_read_jwks(keys))}
     db = _database()
     try:
         with db.session() as session:
-            report = chain.verify(session, since=since)
+            report = chain.verify(session, since=since, **trusted)
     finally:
         db.dispose()
     typer.echo(report.summary(), err=report.broken is not None)
     if report.broken is not None:
         raise typer.Exit(1)
+
+
+def _read_jwks(path: Path) -> dict:
+    try:
+        jwks = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise typer.BadParameter(f"{path}: not a readable JWKS ({err})", param_hint="--keys") from None
+    if not isinstance(jwks, dict) or not isinstance(jwks.get("keys"), list):
+        raise typer.BadParameter(f'{path}: not a JWKS (an object with a "keys" list)', param_hint="--keys")
+    return jwks
 
 
 def checkpoint() -> None:
