@@ -78,16 +78,23 @@ class Log:
 
 
 @pytest.fixture(params=CONFIGURATIONS)
-def log(request, tmp_path: Path) -> Iterator[Log]:
-    with contextlib.ExitStack() as stack:
-        if request.param == "production":
-            url = stack.enter_context(services.postgres_database("cgstore_chain"))
-        else:
-            url = f"sqlite:///{tmp_path / 'chain.db'}"
-        migrate.upgrade(url)
-        db = Database(url)
-        stack.callback(db.dispose)
-        yield Log(db, Settings(home=tmp_path / "home", database_url=url))
+def empty_url(request, tmp_path: Path) -> Iterator[str]:
+    """A database of the test's own, not migrated yet."""
+    if request.param == "production":
+        with services.postgres_database("cgstore_chain") as url:
+            yield url
+    else:
+        yield f"sqlite:///{tmp_path / 'chain.db'}"
+
+
+@pytest.fixture
+def log(empty_url, tmp_path: Path) -> Iterator[Log]:
+    migrate.upgrade(empty_url)
+    db = Database(empty_url)
+    try:
+        yield Log(db, Settings(home=tmp_path / "home", database_url=empty_url))
+    finally:
+        db.dispose()
 
 
 def _checkpoint(log: Log) -> None:
@@ -190,16 +197,22 @@ def test_since_starts_the_walk_at_an_entry(log):
     assert result.exit_code == 1 and f"broken at entry {ids[1]}" in result.output
 
 
-def test_entries_from_before_the_chain_are_counted_not_verified(log):
-    with log.db.session() as session:  # as migration 0011 leaves older entries: no digest
-        session.execute(text("UPDATE audit_head SET last_id = 41"))
-        session.execute(text("INSERT INTO audit_events (id, at, actor, action, target, outcome, count, detail) "
-                             "VALUES (41, CURRENT_TIMESTAMP, 'old', 'test.old', 't', 'ok', 1, '{}')"))
-    ids = log.write(2)
-    assert ids == [41, 42, 43]
-    result = log.cli("verify")
+def test_the_migration_starts_the_chain_after_the_existing_entries(empty_url, tmp_path):
+    migrate.upgrade(empty_url, "0009_scrub")
+    db = Database(empty_url)
+    try:
+        with db.engine.begin() as conn:  # two entries from before the chain (a gap between them, as sequences leave)
+            for old_id in (7, 9):
+                conn.execute(text("INSERT INTO audit_events (id, at, actor, action, target, outcome, count, detail) "
+                                  "VALUES (:id, CURRENT_TIMESTAMP, 'old', 'test.old', 't', 'ok', 1, '{}')"), {"id": old_id})
+        migrate.upgrade(empty_url)
+        log = Log(db, Settings(home=tmp_path / "home", database_url=empty_url))
+        assert log.write(2) == [7, 9, 10, 11]
+        result = log.cli("verify")
+    finally:
+        db.dispose()
     assert result.exit_code == 0, result.output
-    assert "2 chained entries (ids 42..43)" in result.output and "1 entries from before the chain" in result.output
+    assert "2 chained entries (ids 10..11)" in result.output and "2 entries from before the chain" in result.output
 
 
 def test_a_checkpoint_never_authenticates(store):
