@@ -49,8 +49,8 @@ from cgstore.audit.models import AuditCheckpoint, AuditEvent, AuditHead
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
 
 if TYPE_CHECKING:
-    from cgstore.operations.leases import HeldLease
     from cgstore.context import StoreContext
+    from cgstore.operations.leases import HeldLease
     from cgstore.tokens.keys import KeyRing
 
 GENESIS = "0" * 64
