@@ -74,6 +74,8 @@ def _commands(group, prefix: str):
     for name, command in sorted(group.commands.items()):
         path = f"{prefix} {name}"
         if getattr(command, "commands", None):
+            if command.params:  # a group that also runs on its own (``cgstore audit`` lists)
+                yield f"{path} {_usage(command)}", (command.help or "").strip().split("\n")[0]
             yield from _commands(command, path)
         else:
             yield f"{path} {_usage(command)}".strip(), (command.help or "").strip().split("\n")[0]

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cgstore import __version__
 from cgstore.admin.router import router as admin_router
+from cgstore.audit import chain
 from cgstore.audit.denials import DenialLog, audit_denial
 from cgstore.audit.router import router as audit_router
 from cgstore.blobs import service as blobs_service
@@ -68,6 +69,11 @@ def _background_tasks(ctx: StoreContext) -> list[asyncio.Task]:
             operations.run_periodically(ctx, leases.UPLOAD_REAPER, ctx.settings.reaper_interval_s, operations.reap_sessions)
         ),
         asyncio.create_task(operations.run_periodically(ctx, leases.GC, ctx.settings.gc_interval_s, gc.collect_garbage)),
+        asyncio.create_task(
+            operations.run_periodically(
+                ctx, leases.AUDIT_CHECKPOINT, ctx.settings.audit_checkpoint_interval_s, chain.checkpoint_round
+            )
+        ),
     ]
 
 

@@ -18,7 +18,7 @@ import typer
 from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 
 from cgstore.admin.cli import COMMANDS as ADMIN_COMMANDS
-from cgstore.audit.cli import audit_command
+from cgstore.audit.cli import audit_app
 from cgstore.core.errors import StoreError
 from cgstore.core.private import UMASK, private_dir
 from cgstore.settings import MiB, Settings
@@ -330,7 +330,7 @@ def scrub(
         raise typer.Exit(1)
 
 
-app.command("audit")(audit_command(parse_duration))
+app.add_typer(audit_app(parse_duration), name="audit")
 for _name, _command in ADMIN_COMMANDS.items():
     app.command(_name)(_command)
 

@@ -117,6 +117,11 @@ class Settings(BaseSettings):
         description="repeated 401s are written as one audit row per (source address, code) per interval, "
         "with a count",
     )
+    audit_checkpoint_interval_s: float = Field(
+        300.0, gt=0,
+        description="how often the audit chain's head is signed into `audit_checkpoints` (if it moved), "
+        "under the `audit-checkpoint` lease; `cgstore audit verify` checks them",
+    )
     audit_max_sources: int = Field(
         10_000, ge=1,
         description="distinct 401 sources kept in memory per interval; further ones are counted under source `*`",

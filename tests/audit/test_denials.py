@@ -126,7 +126,7 @@ def test_a_failed_flush_keeps_the_counts(tmp_path):
         denials = DenialLog(db, interval_s=NO_FLUSH, max_sources=10)
         for i in range(5):
             denials.count(source="192.0.2.1", outcome="TOKEN_INVALID", message="bad", path=f"/v1/x/{i}")
-        with pytest.raises(sqlalchemy.exc.OperationalError, match="audit_events"):
+        with pytest.raises(sqlalchemy.exc.OperationalError, match="no such table: audit_"):  # the head, first
             denials.flush()
         assert denials.pending == 5
         denials.count(source="192.0.2.1", outcome="TOKEN_INVALID", message="bad", path="/v1/x/late")

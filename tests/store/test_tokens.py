@@ -45,7 +45,8 @@ from cgstore.tokens.grants import (
     repo_pattern_matches,
 )
 from cgstore import access
-from cgstore.audit.models import AuditEvent
+from cgstore.audit.chain import GENESIS, HEAD_ID
+from cgstore.audit.models import AuditEvent, AuditHead
 from cgstore.owners.models import Owner, Principal
 from cgstore.owners.service import is_platform_principal, register_principal
 from cgstore.tokens.claims import MAX_TTL_S, Claims
@@ -55,7 +56,17 @@ from cgstore.tokens.service import LEEWAY_S, TokenService
 from tests.support.services import postgres_database
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TOKEN_TABLES = [Principal.__table__, Owner.__table__, TokenRecord.__table__, SigningKey.__table__, AuditEvent.__table__]
+TOKEN_TABLES = [
+    Principal.__table__, Owner.__table__, TokenRecord.__table__, SigningKey.__table__, AuditEvent.__table__,
+    AuditHead.__table__,
+]
+
+
+def create_token_tables(database: Database) -> None:
+    """The token tables, and the audit chain's head row the migration would insert."""
+    TokenRecord.metadata.create_all(database.engine, tables=TOKEN_TABLES)
+    with database.session() as session:
+        session.add(AuditHead(id=HEAD_ID, last_id=0, digest=GENESIS))
 
 
 def g(text: str) -> Grant:
@@ -513,7 +524,7 @@ class FakeClock:
 def postgres_db() -> Iterator[Database]:
     with postgres_database() as url:
         database = Database(url)
-        TokenRecord.metadata.create_all(database.engine, tables=TOKEN_TABLES)
+        create_token_tables(database)
         try:
             yield database
         finally:
@@ -524,7 +535,7 @@ def postgres_db() -> Iterator[Database]:
 def db(request, tmp_path: Path) -> Iterator[Database]:
     if request.param == "sqlite":
         database = Database(f"sqlite:///{tmp_path / 'tokens.sqlite3'}")
-        TokenRecord.metadata.create_all(database.engine, tables=TOKEN_TABLES)
+        create_token_tables(database)
         yield database
         database.dispose()
         return

@@ -9,13 +9,20 @@ exactly that endpoint's entries.)
 
 Without ``--follow`` it prints the newest ``--limit`` matching entries, oldest
 first; ``--follow`` then keeps polling for newer ones until interrupted.
+
+``cgstore audit verify`` recomputes the digest chain and checks every signed
+checkpoint (``audit.chain``): exit 0 with a summary line, or 1 naming the
+first broken entry. ``cgstore audit checkpoint`` signs the chain head now
+(the server does it every ``CGSTORE_AUDIT_CHECKPOINT_INTERVAL_S``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -23,7 +30,7 @@ from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
 from rich.console import Console
 from rich.table import Table
 
-from cgstore.audit import service
+from cgstore.audit import chain, service
 from cgstore.core.db import Database, utcnow
 
 
@@ -36,13 +43,23 @@ def parse_moment(text: str, parse_duration) -> dt.datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
 
 
-def audit_command(parse_duration):
-    """The typer command, built around the CLI's shared duration parser."""
+def audit_app(parse_duration) -> typer.Typer:
+    """``cgstore audit`` (the listing) and its ``verify`` and ``checkpoint`` subcommands."""
+    app = typer.Typer(help="The audit log: list it, verify its chain, sign its head.")
+    app.callback(invoke_without_command=True)(_listing(parse_duration))
+    app.command("verify")(verify)
+    app.command("checkpoint")(checkpoint)
+    return app
+
+
+def _listing(parse_duration):
+    """The listing command, built around the CLI's shared duration parser."""
 
     def moment(text: str | None) -> dt.datetime | None:
         return None if text is None else parse_moment(text, parse_duration)
 
     def audit(
+        context: typer.Context,
         actor: Annotated[str | None, typer.Option(help="Only entries by this principal ('-': no valid token).")] = None,
         jti: Annotated[str | None, typer.Option(help="Only entries made with this token id.")] = None,
         repo: Annotated[str | None, typer.Option(help="Only entries about owner/repo.")] = None,
@@ -58,13 +75,14 @@ def audit_command(parse_duration):
         interval: Annotated[float, typer.Option(min=0.05, help="Seconds between polls with --follow.")] = 2.0,
     ) -> None:
         """Show the audit log: every mutation and every denial, filtered."""
-        from cgstore.settings import Settings
+        if context.invoked_subcommand is not None:
+            return
 
         where = service.AuditFilter(
             actor=actor, jti=jti, repo=repo, action=action, target=target, outcome=outcome, source=source,
             since=moment(since), until=moment(until),
         )
-        db = Database(Settings().resolved_database_url)
+        db = _database()
         show = _print_json if json_lines else _print_table
         try:
             with db.session() as session:
@@ -81,6 +99,57 @@ def audit_command(parse_duration):
             db.dispose()
 
     return audit
+
+
+def verify(
+    since: Annotated[int | None, typer.Option(min=1, help="Start at this entry (it must chain to the one before).")] = None,
+    keys: Annotated[Path | None, typer.Option(
+        exists=True, dir_okay=False,
+        help="Trust only this JWKS (GET /v1/keys, kept outside the database) for checkpoints, not the key table.",
+    )] = None,
+) -> None:
+    """Recompute the audit chain and check its signed checkpoints; exit 1 naming the first broken entry."""
+    trusted = {} if keys is None else {"public_keys": chain.jwks_public_keys(_read_jwks(keys))}
+    db = _database()
+    try:
+        with db.session() as session:
+            report = chain.verify(session, since=since, **trusted)
+    finally:
+        db.dispose()
+    typer.echo(report.summary(), err=report.broken is not None)
+    if report.broken is not None:
+        raise typer.Exit(1)
+
+
+def _read_jwks(path: Path) -> dict:
+    try:
+        jwks = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise typer.BadParameter(f"{path}: not a readable JWKS ({err})", param_hint="--keys") from None
+    if not isinstance(jwks, dict) or not isinstance(jwks.get("keys"), list):
+        raise typer.BadParameter(f'{path}: not a JWKS (an object with a "keys" list)', param_hint="--keys")
+    return jwks
+
+
+def checkpoint() -> None:
+    """Sign the audit chain's head now with the key ring's current key."""
+    from cgstore.settings import Settings
+    from cgstore.tokens.keys import KeyRing
+
+    settings = Settings()
+    db = _database()
+    try:
+        with db.session() as session:
+            signed = chain.checkpoint(session, KeyRing(db, settings), issuer=settings.token_issuer)
+    finally:
+        db.dispose()
+    typer.echo(f"signed entry {signed.audit_id} ({signed.digest})" if signed else "nothing new to sign")
+
+
+def _database() -> Database:
+    from cgstore.settings import Settings
+
+    return Database(Settings().resolved_database_url)
 
 
 def _last_id(db: Database) -> int:

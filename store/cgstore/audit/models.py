@@ -2,14 +2,17 @@
 
 On both dialects the migration (``0003_audit``) also installs triggers that
 refuse UPDATE and DELETE on ``audit_events`` (and TRUNCATE on PostgreSQL), so
-a bug or a stray SQL session cannot rewrite history either.
+a bug or a stray SQL session cannot rewrite history either. Whoever can
+disable those triggers still leaves evidence: every row carries a digest
+chained to the previous row's (``audit.chain``), ``audit_head`` serializes the
+appends, and ``audit_checkpoints`` holds signed statements of the chain head.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import JSON, BigInteger, Integer, String, text
+from sqlalchemy import JSON, BigInteger, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cgstore.core.db import Base, UTCDateTime, utcnow
@@ -22,6 +25,7 @@ TARGET_LEN = 512
 REPO_LEN = 141  # owner (40) + "/" + repo (100)
 OUTCOME_LEN = 32
 SOURCE_LEN = 64
+DIGEST_LEN = 64  # a blake3 digest in hex
 
 
 class AuditEvent(Base):
@@ -30,7 +34,8 @@ class AuditEvent(Base):
     (The id is INTEGER on SQLite, where only INTEGER PRIMARY KEY autoincrements.)
 
     Columns:
-      id       monotonically increasing; the keyset cursor of the audit listing.
+      id       monotonically increasing, in commit order (``audit_head`` hands it out); the
+               keyset cursor of the audit listing.
       at       when it happened (for an aggregate: the first denial of its interval).
       actor    the token's ``sub``, or ``-`` when no valid token was presented.
       jti      the token's id, if any (never the token itself).
@@ -42,6 +47,9 @@ class AuditEvent(Base):
       count    how many events the row stands for: 1, or the number of 401s
                from ``source`` with ``outcome`` aggregated into this row.
       detail   extra facts (JSON; strings escaped and bounded like the columns).
+      prev     the previous entry's ``digest`` (``chain.GENESIS`` for the first chained entry).
+      digest   blake3 over this entry's canonical content and ``prev`` (``chain.entry_digest``).
+               ``None`` only for entries written before the chain existed (migration 0011).
     """
 
     __tablename__ = "audit_events"
@@ -57,3 +65,36 @@ class AuditEvent(Base):
     source: Mapped[str | None] = mapped_column(String(SOURCE_LEN), nullable=True, index=True)
     count: Mapped[int] = mapped_column(Integer, nullable=False, default=1, server_default=text("1"))
     detail: Mapped[dict] = mapped_column(JSON, nullable=False, default=dict)
+    prev: Mapped[str | None] = mapped_column(String(DIGEST_LEN), nullable=True)
+    digest: Mapped[str | None] = mapped_column(String(DIGEST_LEN), nullable=True, unique=True, index=True)
+
+
+class AuditHead(Base):
+    """The one row (``id`` 1) naming the chain's last entry: the lock every append takes.
+
+    Appends update it first, so on PostgreSQL they queue on its row lock (and
+    on SQLite on the database's write lock): the next id and the previous
+    digest are read by one writer at a time, and id order is chain order.
+    """
+
+    __tablename__ = "audit_head"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    last_id: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    digest: Mapped[str] = mapped_column(String(DIGEST_LEN), nullable=False)
+
+
+class AuditCheckpoint(Base):
+    """A signed statement "entry ``audit_id`` had digest ``digest`` at ``at``", by the key ``kid``.
+
+    ``statement`` is a compact JWS (EdDSA, the key ring that signs tokens and
+    receipts, so ``GET /v1/keys`` verifies it) whose claims repeat the columns.
+    """
+
+    __tablename__ = "audit_checkpoints"
+
+    audit_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(DIGEST_LEN), nullable=False)
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    kid: Mapped[str] = mapped_column(String(16), nullable=False)
+    statement: Mapped[str] = mapped_column(Text, nullable=False)

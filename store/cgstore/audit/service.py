@@ -15,7 +15,8 @@ would go unrecorded.
 
 Reading: ``list_events`` filters on the indexed columns and pages by id (keyset).
 There is deliberately no update or delete here (the migration adds triggers
-that refuse them too).
+that refuse them too), and every entry is chained to the one before it
+(``audit.chain``), so a change made with the triggers disabled is detectable.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from cgstore.access import is_admin
+from cgstore.audit import chain
 from cgstore.audit.models import (
     ACTION_LEN,
     ACTOR_LEN,
@@ -137,10 +139,14 @@ def record(
 ) -> None:
     """Add one entry to the caller's unit of work: it commits (or rolls back) with the mutation.
 
+    The entry is chained (``chain.append``): from here until the transaction ends
+    it holds the chain head, and other appends wait; so record last.
+
     ``repo`` is the ``owner/repo`` the entry concerns (what ``GET /v1/audit?repo=``
     matches); ``source`` the client address; ``count`` > 1 only for aggregates.
     """
-    session.add(
+    chain.append(
+        session,
         AuditEvent(
             at=at or utcnow(),
             actor=clean(actor, ACTOR_LEN),
@@ -152,7 +158,7 @@ def record(
             source=clean_optional(source, SOURCE_LEN),
             count=count,
             detail=clean_detail(detail),
-        )
+        ),
     )
 
 

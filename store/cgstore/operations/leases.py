@@ -26,6 +26,7 @@ from cgstore.operations.models import Lease
 UPLOAD_REAPER = "upload-reaper"
 GC = "gc"
 SCRUB = "scrub"
+AUDIT_CHECKPOINT = "audit-checkpoint"
 
 
 class LeaseLost(RuntimeError):
