@@ -61,6 +61,8 @@ Yanking a record (``POST .../compiled-graphs/{key}:yank``)
     ``Record`` (repo, key, publisher). Only a visibility change can leave one
     key several live records to choose from there: several publishers' is 409
     ``CONFLICT`` listing them (name one); one publisher's, the oldest goes first.
+    Naming another tenant's record is a store admin's write (the admin token
+    is the whole store), not a read: no read grant reaches a private record.
 
 Resolving (``POST /v1/compiled-graphs:resolve``): which readable repos are searched, in what order
   - ``root`` first; then repos under owners the caller holds; then repos under

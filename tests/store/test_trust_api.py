@@ -136,7 +136,7 @@ def test_claim_then_write_and_configure_own_repos(store):
         assert client.put(f"/v1/repos/{slug}/cache", json={"visibility": "owner"}).status_code == 200
         answer = client.put(f"/v1/repos/{slug}/cache", json={"visibility": "principal"})
         assert answer.status_code == 403 and code(answer) == "DENIED"
-        assert client.put(f"/v1/repos/{slug}/other", json={"visibility": "principal"}).status_code == 201
+        assert client.put(f"/v1/repos/{slug}/fresh", json={"visibility": "principal"}).status_code == 201
 
 
 def test_a_grant_naming_an_unclaimed_owner_literally_writes(store):

@@ -14,7 +14,8 @@ record never points at bytes the database does not hold.
 
 Resolve answers up to ``MAX_RESOLVE_KEYS`` keys in two SQL statements
 whatever the count (one for the candidate records with their repos, one for
-their components), filters what the token may read in Python, and answers a
+their components), filters what the token may read and ranks the repos it
+searches (``access.resolve_rank``) in Python, and answers a
 miss identically for an absent, yanked, unhealthy or unreadable key.
 """
 
