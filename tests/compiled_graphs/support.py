@@ -70,7 +70,8 @@ class Publication:
 
 def unique_envelope() -> dict[str, Any]:
     """An envelope (so a key) no other test uses: records of it resolve only where a test put them."""
-    return {"shapes": [[8, 8]], "text_len": 5, "guidance": [f"{uuid.uuid4().int % 10**5}.{uuid.uuid4().int % 10**9}"]}
+    guidance = f"{uuid.uuid4().int % 10**5}.{uuid.uuid4().int % 10**9}"  # |g| <= 10**6, as envelopes require
+    return {"shapes": [[8, 8]], "text_len": 5, "guidance": [guidance]}
 
 
 def publication(
