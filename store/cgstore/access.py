@@ -42,6 +42,38 @@ Writing (blob uploads, mounts, publishes; the preflight asks the same question)
 Managing a repo (``PUT /v1/repos/{o}/{r}`` creates it or changes its visibility)
   - Reserved owners: the root gate. Elsewhere an ``admin`` grant matching the
     repo, or the holder of the owner with a ``write`` grant matching the repo.
+  - Changing an existing repo's visibility needs, on top, owner-level rights:
+    holding the owner (``owners.service.held_by``), or a platform token (``plt``)
+    of a registered platform principal. A repo-scoped ``admin`` grant alone
+    creates a repo with any visibility but never flips one: ``principal`` to
+    ``owner`` would show every tenant's records to every reader, the reverse
+    would hide the owner's repo from its own readers. Else 403 ``DENIED``.
+
+Yanking a record (``POST .../compiled-graphs/{key}:yank``)
+  - An ``admin`` grant over ``*/*``; under a reserved owner also the root gate,
+    exactly as for publishing there (any admin write under a reserved owner
+    needs the platform): a non-platform store admin gets 403 ``ROOT_RESERVED``
+    naming the open locks, and the record stays live.
+  - The yank addresses one record, named by key and publisher: in a private
+    cache a key has a live record per publisher, so the body's ``publisher``
+    (default: the caller) names whose; elsewhere the key's one live record
+    (``publisher``, if given, must be its publisher). The answer is the yanked
+    ``Record`` (repo, key, publisher). Only a visibility change can leave one
+    key several live records to choose from there: several publishers' is 409
+    ``CONFLICT`` listing them (name one); one publisher's, the oldest goes first.
+    Naming another tenant's record is a store admin's write (the admin token
+    is the whole store), not a read: no read grant reaches a private record.
+
+Resolving (``POST /v1/compiled-graphs:resolve``): which readable repos are searched, in what order
+  - ``root`` first; then repos under owners the caller holds; then repos under
+    owners a grant names literally (an admin's explicit delegation). Within each
+    group by owner, repo name, then record id: a deterministic answer.
+  - A repo readable only through a wildcard owner (``*/*:read``, ``acme-*/x``)
+    under an owner the caller does not hold is not searched at all. Resolve
+    hands back code the worker loads and runs, and any tenant may publish any
+    key under its own owner: searching it would let one tenant plant the
+    artifact another tenant's worker runs. As for writes, a wildcard owner
+    means the caller's own owners. ``GET`` and the listing still read there.
 
 Claiming an owner (``POST /v1/owners``)
   - The slug must be a valid owner name, strict ASCII, never normalized
@@ -214,6 +246,33 @@ def can_manage_repo(
     )
 
 
+def can_change_visibility(
+    claims: Claims, owner: str, repo: str, *, platform_principal: bool, holder: str | None
+) -> Decision:
+    """Managing the repo, and owner-level rights to flip its visibility (held owner, or the platform)."""
+    manage = can_manage_repo(claims, owner, repo, platform_principal=platform_principal, holder=holder)
+    if not manage.allowed or is_reserved_owner(owner):  # reserved: the root gate already is the platform's
+        return manage
+    if holder == claims.sub or (claims.plt and platform_principal):
+        return ALLOWED
+    return _refuse(
+        Denied(
+            f"changing the visibility of {owner}/{repo} needs holding owner '{owner}' or a platform token",
+            repo=f"{owner}/{repo}",
+        )
+    )
+
+
+def can_yank(claims: Claims, owner: str, repo: str, *, platform_principal: bool) -> Decision:
+    """A store admin; under a reserved owner also the root gate (an admin write there is the platform's)."""
+    validate_owner(owner)
+    validate_repo(repo)
+    admin = is_admin(claims)
+    if not admin.allowed or not is_reserved_owner(owner):
+        return admin
+    return root_gate(claims, owner, repo, platform_principal=platform_principal)
+
+
 def can_claim_owner(claims: Claims, slug: object) -> Decision:
     validate_owner(slug)  # strict ASCII: look-alikes are invalid, never normalized
     if is_reserved_owner(slug):
@@ -227,6 +286,24 @@ def is_admin(claims: Claims) -> Decision:
     if any(ADMIN in g.actions and g.owner_pattern == g.repo_pattern == WILDCARD for g in claims.grants):
         return ALLOWED
     return _refuse(Denied("this route needs an admin token (a grant '*/*' with the admin action)"))
+
+
+# -- resolving ---------------------------------------------------------------------------
+
+RANK_ROOT, RANK_HELD, RANK_NAMED = 0, 1, 2
+
+
+def resolve_rank(claims: Claims, owner: str, repo: str, *, holder: str | None) -> int | None:
+    """Where ``owner/repo``'s records stand in a resolve by ``claims`` (lower first); None: not searched."""
+    if owner == ROOT_OWNER:
+        return RANK_ROOT
+    if not claims.allows(owner, repo, READ):
+        return None
+    if holder == claims.sub:
+        return RANK_HELD
+    if _named_literally(claims, owner, repo, READ):
+        return RANK_NAMED
+    return None  # reached through a wildcard owner only: another tenant's
 
 
 # -- attenuating ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,12 @@ class Publication:
 
     def path(self, owner: str, repo: str) -> str:
         return f"/v1/repos/{owner}/{repo}/compiled-graphs/{self.key}"
+
+
+def unique_envelope() -> dict[str, Any]:
+    """An envelope (so a key) no other test uses: records of it resolve only where a test put them."""
+    guidance = f"{uuid.uuid4().int % 10**5}.{uuid.uuid4().int % 10**9}"  # |g| <= 10**6, as envelopes require
+    return {"shapes": [[8, 8]], "text_len": 5, "guidance": [guidance]}
 
 
 def publication(

@@ -17,7 +17,7 @@ from cgstore_client.wire.records import (
     RecordPage,
     ResolveAnswer,
 )
-from tests.compiled_graphs.support import FAMILY, error_code, publication, publish, upload_all
+from tests.compiled_graphs.support import FAMILY, error_code, publication, publish, unique_envelope, upload_all
 from tests.support.live_store import unique_repo
 
 
@@ -325,3 +325,28 @@ def test_capabilities_state_the_resolve_limit(store):
     capabilities = httpx.get(f"{store.base_url}/v1/capabilities").json()
     assert capabilities["max_resolve_keys"] == MAX_RESOLVE_KEYS
     assert capabilities["accepted_kinds"] == ["aot-inductor"]
+
+
+def test_resolve_searches_root_then_held_owners_then_named_ones_never_another_tenant_s_by_wildcard(
+    store, pt2_archive, report_a, constants_a
+):
+    """Two tenants publish one key under their own owners; ``aa-`` sorts first, yet each resolves its own."""
+    suffix = unique_repo("")
+    owners = {"first": f"aa{suffix}", "second": f"zz{suffix}"}
+    pub = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope())
+    tenants = {}
+    for tenant, owner in owners.items():
+        tenants[tenant] = store.mint(f"tenant{suffix}-{tenant}", "*/*:read,write,owner:create")
+        with store.client(tenants[tenant]) as client:
+            assert client.post("/v1/owners", json={"slug": owner}).status_code == 201
+            assert publish(client, owner, "cache", pub).status_code == 201
+    for tenant, owner in owners.items():
+        with store.client(tenants[tenant]) as client:
+            assert resolve(client, [pub.key]).json()["answers"][0]["repo"] == f"{owner}/cache"
+    named = store.mint(f"named{suffix}", f"{owners['second']}/*:read", f"{owners['first']}/*:read")
+    wildcard = store.mint(f"reader{suffix}", "*/*:read")
+    with store.client(named) as client:  # both named literally, neither held: by owner name
+        assert resolve(client, [pub.key]).json()["answers"][0]["repo"] == f"{owners['first']}/cache"
+    with store.client(wildcard) as client:  # a wildcard reads there, but never runs another tenant's artifact
+        assert resolve(client, [pub.key]).json()["answers"][0] == {"key": pub.key, "status": "miss"}
+        assert client.get(pub.path(owners["first"], "cache")).status_code == 200

@@ -94,8 +94,9 @@ def test_another_principal_s_records_and_blobs_answer_exactly_as_absent_ones(sto
         assert len(audited(store, "NAME_UNKNOWN", target=pub.path("acme", name), jti=jti_of(cache[who]))) == 1
         assert len(audited(store, "BLOB_UNKNOWN", target=pub.artifact.digest, jti=jti_of(cache[who]))) == 2
 
-    # The rule is the visibility's: the same repo made ``owner`` shows bob alice's record.
-    with store.client(cache["manager"]) as client:
+    # The rule is the visibility's: the same repo made ``owner`` (by the platform: a repo-scoped
+    # admin never flips a visibility) shows bob alice's record.
+    with store.client(store.mint("platform-ops", f"acme/{name}:admin", platform=True)) as client:
         assert client.put(f"/v1/repos/acme/{name}", json={"visibility": "owner"}).status_code == 200
     assert reads(store, cache["bob"], name, pub)["record"][0] == 200
 
@@ -144,3 +145,48 @@ def test_knowing_a_digest_grants_nothing_in_a_private_cache(store, cache):
         absent = client.post(f"/v1/repos/acme/{own}/blobs/{'blake3:' + '0' * 64}:mount?from=acme/{name}")
         assert hidden.status_code == absent.status_code == 404 and error_code(hidden) == "BLOB_UNKNOWN"
         assert client.head(f"/v1/repos/acme/{own}/blobs/{pub.artifact.digest}").status_code == 404
+
+
+def test_only_the_owner_s_holder_or_the_platform_flips_a_cache_s_visibility(store):
+    """A repo-scoped admin creates a cache but never exposes it; the owner's holder or the platform may."""
+    owner, name = unique_repo("vis"), "cache"
+    path = f"/v1/repos/{owner}/{name}"
+    holder = store.mint(f"holder-{owner}", f"{owner}/*:read,write,owner:create")
+    with store.client(holder) as client:
+        assert client.post("/v1/owners", json={"slug": owner}).status_code == 201
+    repo_admin = store.mint("ops", f"{owner}/{name}:admin")
+    with store.client(repo_admin) as client:
+        assert client.put(path, json={"visibility": "principal"}).status_code == 201
+        refused = client.put(path, json={"visibility": "owner"})
+        assert refused.status_code == 403 and error_code(refused) == "DENIED"
+        assert client.put(path, json={"visibility": "principal"}).json()["visibility"] == "principal"  # no change
+    assert audited(store, "DENIED", target=f"{owner}/{name}")
+    with store.client(holder) as client:
+        assert client.put(path, json={"visibility": "owner"}).json()["visibility"] == "owner"
+    platform = store.mint("platform-ops", f"{owner}/{name}:admin", platform=True)
+    with store.client(platform) as client:
+        assert client.put(path, json={"visibility": "principal"}).json()["visibility"] == "principal"
+
+
+def test_a_yank_names_whose_record_it_yanks(store, cache):
+    """Alice and bob each hold a record of one key: the admin names bob's, and the answer says it was bob's."""
+    name, pub = cache["name"], cache["pub"]
+    for who in ("alice", "bob"):
+        with store.client(cache[who]) as client:
+            assert publish(client, "acme", name, pub).status_code == 201
+    url = f"{pub.path('acme', name)}:yank"
+    with store.client(store.mint("store-admin", "*/*:admin")) as client:
+        own = client.post(url, json={"reason": "the admin has no record of its own here"})
+        assert own.status_code == 404 and error_code(own) == "NAME_UNKNOWN"
+        yanked = client.post(url, json={"reason": "bad numerics", "publisher": "bob"})
+    assert yanked.status_code == 200, yanked.text
+    record = yanked.json()
+    assert (record["repo"], record["key"], record["publisher"]["principal"]) == (f"acme/{name}", pub.key, "bob")
+    answers = {}
+    for who in ("alice", "bob"):
+        with store.client(cache[who]) as client:
+            resolved = client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": [pub.key]})
+            answers[who] = resolved.json()["answers"][0]["status"]
+    assert answers == {"alice": "hit", "bob": "miss"}
+    last = max(audited(store, "ok", target=f"acme/{name}:{pub.key}"), key=lambda row: row.id)
+    assert last.action == "compiled_graph.yank" and last.detail["publisher"] == "bob"

@@ -12,7 +12,10 @@ import pytest
 
 from cgstore.access import LOCK_GRANT, LOCK_PLATFORM, LOCK_PLT
 from cgstore.owners.service import register_principal
+from tests.compiled_graphs.support import CONSTANTS_A, publication, safetensors_bytes, unique_envelope
+from tests.compiled_graphs.support import publish as publish_record
 from tests.security.conftest import code
+from tests.support.archives import archive_report
 from tests.support.audit import audited
 from tests.support.live_store import unique_repo
 
@@ -120,3 +123,28 @@ def test_preflight_creates_nothing(store):
 
     with store.context.db.session() as session:
         assert find_repo(session, "root", name) is None
+
+
+def test_a_root_record_is_yanked_only_by_a_platform_admin(store, pt2_archive):
+    """A store admin without the platform is refused like a root publish (audited), and the record stays live."""
+    name = unique_repo("family")
+    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)},
+                      envelope=unique_envelope())
+    with store.client(store.mint("platform-ci", f"root/{name}:read,write", platform=True)) as client:
+        assert publish_record(client, "root", name, pub).status_code == 201
+    yank = {"reason": "a tenant admin cleaning up root"}
+    with store.client(store.mint("ops", "*/*:admin")) as client:
+        refused = client.post(f"{pub.path('root', name)}:yank", json=yank)
+    assert refused.status_code == 403 and code(refused) == "ROOT_RESERVED"
+    assert refused.json()["error"]["detail"]["missing"] == [LOCK_GRANT, LOCK_PLT, LOCK_PLATFORM]
+    assert audited(store, "ROOT_RESERVED", target=f"root/{name}")
+    reader = store.mint("reader", "acme/x:read")
+    with store.client(reader) as client:
+        assert client.get(pub.path("root", name)).json()["yank"] is None
+    platform_admin = store.mint("platform-ops", "*/*:admin", f"root/{name}:read,write", platform=True)
+    with store.client(platform_admin) as client:
+        yanked = client.post(f"{pub.path('root', name)}:yank", json=yank)
+    assert yanked.status_code == 200, yanked.text
+    assert (yanked.json()["repo"], yanked.json()["key"]) == (f"root/{name}", pub.key)
+    with store.client(reader) as client:
+        assert client.get(pub.path("root", name)).status_code == 404

@@ -181,12 +181,16 @@ def test_claim_then_write_and_configure_own_repos(store):
         assert client.post(f"/v1/repos/{slug}/other/uploads").status_code == 202
     assert audit_actions(store, slug) == ["owner.claim"]
     assert audit_actions(store, f"{slug}/cache") == ["repo.create", "repo.visibility"]
-    # Another tenant, even with a wildcard grant, manages nothing there; an admin grant does.
+    # Another tenant, even with a wildcard grant, manages nothing there; an admin grant manages the
+    # repo, but flipping its visibility is the owner's (or the platform's): tests/security/test_private_caches.py.
     with store.client(store.mint("intruder", "*/*:read,write")) as client:
         answer = client.put(f"/v1/repos/{slug}/cache", json={"visibility": "principal"})
         assert answer.status_code == 403 and code(answer) == "DENIED"
     with store.client(store.mint("ops", f"{slug}/*:admin")) as client:
-        assert client.put(f"/v1/repos/{slug}/cache", json={"visibility": "principal"}).status_code == 200
+        assert client.put(f"/v1/repos/{slug}/cache", json={"visibility": "owner"}).status_code == 200
+        answer = client.put(f"/v1/repos/{slug}/cache", json={"visibility": "principal"})
+        assert answer.status_code == 403 and code(answer) == "DENIED"
+        assert client.put(f"/v1/repos/{slug}/fresh", json={"visibility": "principal"}).status_code == 201
 
 
 def test_a_grant_naming_an_unclaimed_owner_literally_writes(store):

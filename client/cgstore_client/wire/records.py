@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cgstore_client.wire.tokens import MAX_SUB_LEN
+
 #: Keys per resolve request.
 MAX_RESOLVE_KEYS = 256
 #: Records per page of a listing.
@@ -200,6 +202,8 @@ class RecordPage(_Wire):
 
 class YankRequest(_Wire):
     reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS)
+    #: Whose record of the key: in a private cache each publisher has its own (default: the caller's).
+    publisher: str | None = Field(None, min_length=1, max_length=MAX_SUB_LEN)
 
 
 class ResolveRequest(_Wire):

@@ -88,7 +88,7 @@ async def yank(
 ) -> Response:
     """Take a record out of resolve, with a reason (admin)."""
     body = await read_json(request, YankRequest, ctx.settings.max_json_bytes)
-    return _json(await run_in_threadpool(service.yank, ctx, claims, owner, repo, key, body.reason))
+    return _json(await run_in_threadpool(service.yank, ctx, claims, owner, repo, key, body.reason, body.publisher))
 
 
 @resolve_router.post("/compiled-graphs:resolve", response_model=ResolveAnswer, openapi_extra=json_body(ResolveRequest))

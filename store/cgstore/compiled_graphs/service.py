@@ -14,7 +14,8 @@ record never points at bytes the database does not hold.
 
 Resolve answers up to ``MAX_RESOLVE_KEYS`` keys in two SQL statements
 whatever the count (one for the candidate records with their repos, one for
-their components), filters what the token may read in Python, and answers a
+their components), filters what the token may read and ranks the repos it
+searches (``access.resolve_rank``) in Python, and answers a
 miss identically for an absent, yanked, unhealthy or unreadable key.
 """
 
@@ -61,6 +62,7 @@ from cgstore.core.db import in_values, utcnow
 from cgstore.core.errors import (
     BadRequest,
     BlobReferenceUnknown,
+    Conflict,
     KeyConflict,
     KeyInvalid,
     NameUnknown,
@@ -71,10 +73,11 @@ from cgstore.core.errors import (
 )
 from cgstore.core.faults import crash_point
 from cgstore.core.http import MAX_ROW_ID, parse_row_id
-from cgstore.core.names import ROOT_OWNER, validate_owner, validate_repo
+from cgstore.core.names import validate_owner, validate_repo
 from cgstore.core.private import private_dir
+from cgstore.owners.models import Owner
 from cgstore.repos.models import Repo
-from cgstore.repos.service import find_repo, readable_repo, write_decision
+from cgstore.repos.service import find_repo, readable_repo, write_decision, yank_decision
 from cgstore.tokens.claims import Claims
 
 ACTION_PUBLISH = "compiled_graph.publish"
@@ -437,15 +440,20 @@ def to_record(target: Repo, row: CompiledGraph, components: list[CompiledGraphCo
 # -- yank ----------------------------------------------------------------------------------
 
 
-def yank(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, reason: str) -> Record:
-    """Admin only: the live record stops resolving (kept for audit); the key may be published again."""
+def yank(
+    ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, reason: str, publisher: str | None = None
+) -> Record:
+    """Admin only: one live record stops resolving (kept for audit); the key may be published again.
+
+    The record is named by key and ``publisher`` (``access`` "Yanking"); the
+    answer is that record, so it says exactly what was yanked.
+    """
     validate_owner(owner)
     validate_repo(repo)
-    access.is_admin(claims).enforce()
     with ctx.db.session() as session:
+        yank_decision(session, claims, owner, repo).enforce()
         target = find_repo(session, owner, repo)
-        # In a private cache a key may have one live record per publisher: the oldest goes first.
-        live = session.scalar(_live(target.id, key).limit(1)) if target is not None and is_key(key) else None
+        live = _yank_target(session, claims, target, key, publisher) if target is not None and is_key(key) else None
         if live is None:
             raise NameUnknown("no such compiled graph", key=key[:120])
         now = utcnow()
@@ -455,9 +463,23 @@ def yank(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, rea
         )
         live.yanked_at, live.yanked_by, live.yank_reason = now, claims.sub, reason
         audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_YANK, target=f"{owner}/{repo}:{key}",
-              detail={"reason": reason, "artifact": live.artifact_digest})
+              detail={"reason": reason, "artifact": live.artifact_digest, "publisher": live.publisher})
         components = _components_of(session, [live.id])
     return to_record(target, live, components.get(live.id, []))
+
+
+def _yank_target(
+    session: Session, claims: Claims, target: Repo, key: str, publisher: str | None
+) -> CompiledGraph | None:
+    """The one live record a yank addresses: ``publisher``'s (in a private cache, default the caller's)."""
+    whose = publisher or access.private_reader(claims, target.visibility)
+    query = _live(target.id, key)
+    rows = list(session.scalars(query if whose is None else query.where(CompiledGraph.publisher == whose)))
+    publishers = sorted({row.publisher for row in rows})
+    if len(publishers) > 1:  # only after a visibility change: several tenants' records of one key
+        raise Conflict("several publishers hold a live record of this key: name one with 'publisher'",
+                       key=key, publishers=publishers)
+    return rows[0] if rows else None  # one publisher's several (a visibility change too): the oldest
 
 
 # -- resolve -------------------------------------------------------------------------------
@@ -468,7 +490,7 @@ _RESOLVE_COLUMNS = (
     CompiledGraph.toolchain_digest, CompiledGraph.layout_display, CompiledGraph.layout_topology,
     CompiledGraph.layout_quant, CompiledGraph.created_at, CompiledGraph.publisher,
     CompiledGraph.artifact_digest, CompiledGraph.artifact_size, CompiledGraph.receipt,
-    Repo.owner, Repo.name, Repo.visibility,
+    Repo.owner, Repo.name, Repo.visibility, Owner.principal.label("holder"),
 )
 
 
@@ -486,6 +508,8 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for
         candidates = session.connection().execute(
             select(*_RESOLVE_COLUMNS)
             .join(Repo, Repo.id == CompiledGraph.repo_id)
+            # The owner's holder, in the same statement: it ranks the repo (``access.resolve_rank``).
+            .outerjoin(Owner, Owner.slug == Repo.owner)
             # The artifact's blob row must exist: a record never resolves to bytes the database lacks.
             .join(Blob, Blob.digest == CompiledGraph.artifact_digest)
             .where(
@@ -510,23 +534,23 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for
 
 
 def _best_readable(ctx: StoreContext, claims: Claims, candidates) -> dict[str, Any]:
-    """Per key, the record from ``root`` first, then the caller's own readable repos (by name)."""
-    readable: dict[tuple[str, str], bool] = {}
+    """Per key, the record of the best-ranked searched repo (``access.resolve_rank``), then by name and id."""
+    ranks: dict[tuple[str, str], int | None] = {}
     best: dict[str, Any] = {}
     for row in candidates:
         repo = (row.owner, row.name)
-        if repo not in readable:
-            readable[repo] = access.can_read(claims, row.owner, row.name).allowed
-        if not readable[repo] or not access.can_read_item(claims, row.visibility, row.publisher):
+        if repo not in ranks:
+            ranks[repo] = access.resolve_rank(claims, row.owner, row.name, holder=row.holder)
+        if ranks[repo] is None or not access.can_read_item(claims, row.visibility, row.publisher):
             continue
         current = best.get(row.key)
-        if current is None or _rank(row) < _rank(current):
+        if current is None or _order(ranks, row) < _order(ranks, current):
             best[row.key] = row
     return best
 
 
-def _rank(row) -> tuple[bool, str, str, int]:
-    return (row.owner != ROOT_OWNER, row.owner, row.name, row.id)
+def _order(ranks: dict[tuple[str, str], int | None], row) -> tuple[int | None, str, str, int]:
+    return (ranks[(row.owner, row.name)], row.owner, row.name, row.id)
 
 
 def _component_rows(session: Session, record_ids: list[int]) -> dict[int, list[tuple[str, str, int]]]:
@@ -558,7 +582,7 @@ def _answer(key: str, row, components: dict[int, list[tuple[str, str, int]]], ur
     """One hit as plain data, keys in the wire types' field order (``ResolveHit``, ``ComponentDownload``)."""
     (record_id, record_key, kind, format_, family, lane, sm, graph, envelope_digest, toolchain_digest,
      layout_display, layout_topology, layout_quant, created_at, _, artifact_digest, artifact_size, receipt,
-     owner, name, _) = row
+     owner, name, _, _) = row
     layout = None
     if layout_display is not None:
         layout = {"display": layout_display, "topology": layout_topology, "quant": layout_quant}

@@ -100,9 +100,11 @@ def configure_repo(db: Database, claims: Claims, owner: str, name: str, visibili
     with db.session() as session:
         validate_owner(owner)
         validate_repo(name)
-        access.can_manage_repo(claims, owner, name, **_facts(session, claims, owner)).enforce()
+        facts = _facts(session, claims, owner)
+        access.can_manage_repo(claims, owner, name, **facts).enforce()
         repo, created = _find_or_create(session, claims, owner, name, visibility)
         if not created and repo.visibility != visibility:
+            access.can_change_visibility(claims, owner, name, **facts).enforce()
             record(
                 session, actor=claims.sub, jti=claims.jti, action="repo.visibility", target=f"{owner}/{name}",
                 repo=f"{owner}/{name}", detail={"from": repo.visibility, "to": visibility},
@@ -111,11 +113,21 @@ def configure_repo(db: Database, claims: Claims, owner: str, name: str, visibili
         return RepoInfo(repo.owner, repo.name, repo.visibility, repo.created_by, repo.created_at, created)
 
 
+def yank_decision(session: Session, claims: Claims, owner: str, name: str) -> access.Decision:
+    """Whether ``claims`` may yank a record of ``owner/name`` (a store admin; the root gate on reserved owners)."""
+    platform_principal = _facts(session, claims, owner)["platform_principal"]
+    return access.can_yank(claims, owner, name, platform_principal=platform_principal)
+
+
 def _facts(session: Session, claims: Claims, owner: str) -> dict:
-    """The facts access decisions need, looked up live (a demotion or a claim counts at once)."""
+    """The facts access decisions need, looked up live (a demotion or a claim counts at once).
+
+    The platform registration matters for a reserved owner, and for a ``plt``
+    token anywhere (a visibility change); nobody else's is looked up.
+    """
     reserved = is_reserved_owner(owner)
     return {
-        "platform_principal": reserved and is_platform_principal(session, claims.sub),
+        "platform_principal": (reserved or claims.plt) and is_platform_principal(session, claims.sub),
         "holder": None if reserved else holder(session, owner),
     }
 
