@@ -23,16 +23,23 @@ Verdict = Admission
 MISS = "miss"
 OFFLINE_NOT_CACHED = "offline and not cached"
 RECEIPT_INVALID = "receipt invalid"
+NOT_ROOT = "not a root record"
 INTEGRITY = "artifact failed verification"
 UNAVAILABLE = "store unavailable"
 
 
 @dataclass(frozen=True)
 class Want:
-    """One key the worker would like to serve compiled; ``mandatory`` ones never fall back to eager."""
+    """One key the worker would like to serve compiled; ``mandatory`` ones never fall back to eager.
+
+    ``root_only``: serve only a record whose verified receipt proves it is the
+    platform's, under ``root/`` (``receipts.proves_root``); anything else is
+    served eager (``not a root record: ...``), like a miss.
+    """
 
     key: str
     mandatory: bool = False
+    root_only: bool = False
 
     def __post_init__(self) -> None:
         validate_key(self.key)
@@ -40,7 +47,8 @@ class Want:
 
 @dataclass(frozen=True)
 class Eager:
-    """A want served eager, and why (``miss``, ``offline and not cached: ...``, ``receipt invalid: ...``)."""
+    """A want served eager, and why (``miss``, ``offline and not cached: ...``, ``receipt invalid: ...``,
+    ``not a root record: ...``)."""
 
     key: str
     reason: str

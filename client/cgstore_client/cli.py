@@ -116,10 +116,11 @@ def load(
     family: str, keys: list[str],
     mandatory: Annotated[list[str] | None, typer.Option(help="A key that must be served compiled.")] = None,
     device_total_bytes: Annotated[int | None, typer.Option(help="This card's total memory, for the lane.")] = None,
+    root_only: Annotated[bool, typer.Option(help="Serve only records whose receipt proves them root's.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Boot: resolve the keys and download every hit, verified."""
-    wants = [Want(key, mandatory=key in (mandatory or [])) for key in keys]
+    wants = [Want(key, mandatory=key in (mandatory or []), root_only=root_only) for key in keys]
     with _refusals(as_json), _client() as client:
         results = client.load(family, wants, device_total_bytes=device_total_bytes)
     documents = [_result_document(r) for r in results]

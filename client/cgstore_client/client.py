@@ -42,7 +42,13 @@ from cgstore_client.errors import (
 from cgstore_client.http import Retry, Stream, Transport, file_chunks, open_stream
 from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
 from cgstore_client.lanes import DEFAULT_LANE, resolve_lane
-from cgstore_client.receipts import ReceiptInvalid, ReceiptKeyUnknown, ReceiptVerifier, verify_jws_receipt
+from cgstore_client.receipts import (
+    ReceiptInvalid,
+    ReceiptKeyUnknown,
+    ReceiptVerifier,
+    proves_root,
+    verify_jws_receipt,
+)
 from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
@@ -282,7 +288,7 @@ class Client:
         """
         wants = [w if isinstance(w, Want) else Want(w) for w in wants]
         entries = self._entries(family, [w.key for w in wants])
-        trusted = {key: self._trusted(entry) for key, entry in entries.items()}
+        trusted = {w.key: self._trusted(entries[w.key], root_only=w.root_only) for w in wants}
         fetched = self._fetch_all([e for e in trusted.values() if isinstance(e, dict)])
         results = [self._serve(w.key, trusted[w.key], fetched, device_total_bytes) for w in wants]
         refused = {w.key: r.reason for w, r in zip(wants, results) if w.mandatory and isinstance(r, Eager)}
@@ -307,8 +313,8 @@ class Client:
         same = all(cached.get(field) == entry[field] for field in ("repo", "artifact", "components"))
         return {**entry, "record": cached["record"]} if same and "record" in cached else entry
 
-    def _trusted(self, entry: dict[str, Any] | str) -> dict[str, Any] | str:
-        """The entry if its receipt verifies (or it carries none), else why it is not trusted."""
+    def _trusted(self, entry: dict[str, Any] | str, *, root_only: bool) -> dict[str, Any] | str:
+        """The entry if its receipt verifies (and, ``root_only``, proves a root record), else why it is not trusted."""
         if isinstance(entry, str):
             return entry
         receipt = entry.get("receipt")
@@ -316,14 +322,16 @@ class Client:
             return f"{boot.RECEIPT_INVALID}: the record carries no receipt"
         try:
             try:
-                self.receipt_verifier(entry, receipt, self.keys())
+                claims = self.receipt_verifier(entry, receipt, self.keys())
             except ReceiptKeyUnknown:
                 if self.offline:
                     raise
                 # A key rotated in after this client fetched the JWKS: fetch it again, once.
-                self.receipt_verifier(entry, receipt, self.keys(refresh=True))
+                claims = self.receipt_verifier(entry, receipt, self.keys(refresh=True))
         except ReceiptInvalid as err:
             return f"{boot.RECEIPT_INVALID}: {err}"
+        if root_only and not proves_root(claims):
+            return f"{boot.NOT_ROOT}: the receipt of {entry.get('repo')}'s record does not prove a platform record"
         return entry
 
     def keys(self, *, refresh: bool = False) -> dict[str, Any]:

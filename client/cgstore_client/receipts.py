@@ -18,6 +18,9 @@ Header: ``alg`` = ``EdDSA``, ``kid`` (a key of the JWKS), ``typ`` =
 ``components``  ``{name: digest}`` of the named components (``{}`` when none)
 ``graph``       the graph digest measured from the archive at admission
 ``publisher``   the principal (token ``sub``) that published it
+``plt``         ``true`` only on records under a reserved owner (``root/*`` …),
+                which only a platform principal's ``plt`` token can publish;
+                absent otherwise
 ==============  ================================================================
 
 The ``typ`` and ``aud`` keep receipts and cap-tokens apart both ways: the
@@ -37,6 +40,8 @@ from cgstore_client.errors import CgstoreError
 RECEIPT_TYP = "cgstore-receipt+jwt"
 RECEIPT_AUDIENCE = "cgstore-receipt"
 RECEIPT_ALGORITHM = "EdDSA"
+#: The claim a platform record's receipt carries (``true``); see :func:`proves_root`.
+RECEIPT_PLATFORM = "plt"
 #: Every claim a receipt carries; a receipt missing one is refused.
 RECEIPT_CLAIMS = ("iss", "aud", "iat", "repo", "key", "artifact", "components", "graph", "publisher")
 # Clock skew tolerated on ``iat`` between the store and the verifier.
@@ -51,8 +56,11 @@ class ReceiptKeyUnknown(ReceiptInvalid):
     """Signed by a key the JWKS at hand does not list (a key rotated in since it was fetched?)."""
 
 
-#: ``(entry, receipt, jwks)``; raises :class:`ReceiptInvalid`.
-ReceiptVerifier = Callable[[Mapping[str, Any], object, Mapping[str, Any]], None]
+#: ``(entry, receipt, jwks)`` -> the verified claims; raises :class:`ReceiptInvalid`.
+#: (A verifier returning None verifies, but proves nothing for ``Want(root_only=True)``.)
+ReceiptVerifier = Callable[[Mapping[str, Any], object, Mapping[str, Any]], Mapping[str, Any] | None]
+#: The owner of the platform's records (the store's first reserved owner).
+ROOT_OWNER = "root"
 
 
 def verify_receipt(
@@ -100,15 +108,35 @@ def verify_receipt(
     return claims
 
 
-def verify_jws_receipt(entry: Mapping[str, Any], receipt: object, jwks: Mapping[str, Any]) -> None:
-    """:func:`verify_receipt` for a resolved entry (``key``, ``artifact.digest``, ``components[]``)."""
-    verify_receipt(
+def verify_jws_receipt(entry: Mapping[str, Any], receipt: object, jwks: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`verify_receipt` for a resolved entry (``key``, ``repo``, ``artifact.digest``, ``components[]``).
+
+    The receipt's ``repo`` must be the entry's: a tenant's receipt never vouches
+    for an entry labelled ``root/models``.
+    """
+    repo = entry.get("repo")
+    if not isinstance(repo, str):
+        raise ReceiptInvalid("the entry names no repo for its receipt to vouch for")
+    return verify_receipt(
         receipt,
         jwks,
         expect_key=entry.get("key"),
         expect_artifact=(entry.get("artifact") or {}).get("digest"),
         expect_components={c["name"]: c["digest"] for c in entry.get("components") or []},
+        expect_repo=repo,
     )
+
+
+def proves_root(claims: Mapping[str, Any] | None) -> bool:
+    """Do verified receipt claims prove a platform record under ``root/``?
+
+    The store stamps ``"plt": true`` only on records under a reserved owner,
+    which only a platform principal's ``plt`` token can publish (the root gate).
+    """
+    if not claims or claims.get(RECEIPT_PLATFORM) is not True:
+        return False
+    repo = claims.get("repo")
+    return isinstance(repo, str) and repo.partition("/")[0] == ROOT_OWNER
 
 
 def _header(receipt: object) -> dict[str, Any]:

@@ -205,23 +205,26 @@ def keys_retire(kid: str) -> None:
     """Stop accepting KID: every token it signed answers 401 from the next request on.
 
     The publish receipts KID signed are re-signed with the current key in the same
-    transaction: records stay verifiable against ``GET /v1/keys``.
+    transaction: records stay verifiable against ``GET /v1/keys``. Run again on a
+    retired KID, it re-signs any receipt still signed by it.
     """
     import cgstore.models  # noqa: F401  (every table: the records' foreign keys must resolve)
     from cgstore.audit.service import record
-    from cgstore.compiled_graphs.receipts import resign
+    from cgstore.compiled_graphs.receipts import retire
 
     service = _token_service()
     try:
         with service.db.session() as session:
-            changed = service.keys.retire(session, kid)
-            if changed:
-                resigned = resign(session, service.keys, issuer=Settings().token_issuer, retired_kid=kid)
+            changed, resigned = retire(session, service.keys, issuer=Settings().token_issuer, kid=kid)
+            if changed or resigned:
                 record(session, actor="cli", jti=None, action="key.retire", target=kid,
                        detail={"receipts_resigned": resigned})
     except StoreError as err:
         raise _fail(err) from None
-    typer.echo(f"retired {kid}" if changed else f"{kid} was already retired")
+    if changed:
+        typer.echo(f"retired {kid}")
+    else:
+        typer.echo(f"{kid} was already retired" + (f"; re-signed {resigned} receipts it still held" if resigned else ""))
 
 
 @keys_app.command("list")

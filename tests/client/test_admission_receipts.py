@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cgstore_client.boot import Loaded
 from cgstore_client.keys import OUT_OF_ENVELOPE_REASON, Envelope
-from cgstore_client.receipts import RECEIPT_AUDIENCE, RECEIPT_TYP, ReceiptInvalid, verify_jws_receipt
+from cgstore_client.receipts import RECEIPT_AUDIENCE, RECEIPT_TYP, ReceiptInvalid, proves_root, verify_jws_receipt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
@@ -45,19 +45,23 @@ def test_a_receipt_vouches_for_exactly_its_record():
     key = Ed25519PrivateKey.generate()
     x = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
     jwks = {"keys": [{"kty": "OKP", "crv": "Ed25519", "x": _b64(x), "kid": "k1", "alg": "EdDSA"}]}
-    entry = {"key": "ck1-" + "1" * 56, "artifact": {"digest": "blake3:" + "a" * 64, "size": 3},
+    entry = {"key": "ck1-" + "1" * 56, "repo": "acme/models", "artifact": {"digest": "blake3:" + "a" * 64, "size": 3},
              "components": [{"name": "derived-constants", "digest": "blake3:" + "b" * 64, "size": 1}]}
     signed = {"iss": "cgstore", "aud": RECEIPT_AUDIENCE, "iat": int(time.time()), "repo": "acme/models",
               "key": entry["key"], "artifact": entry["artifact"]["digest"],
               "components": {"derived-constants": "blake3:" + "b" * 64}, "graph": "blake3:" + "c" * 64,
               "publisher": "minter"}
     receipt = _jws(key, "k1", signed)
-    verify_jws_receipt(entry, receipt, jwks)
+    assert verify_jws_receipt(entry, receipt, jwks) == signed
     tampered = {**entry, "artifact": {"digest": "blake3:" + "c" * 64, "size": 3}}
     with pytest.raises(ReceiptInvalid, match="vouches for"):
         verify_jws_receipt(tampered, receipt, jwks)
     with pytest.raises(ReceiptInvalid, match="vouches for"):
         verify_jws_receipt({**entry, "components": []}, receipt, jwks)
+    with pytest.raises(ReceiptInvalid, match="vouches for"):  # a tenant's receipt on an entry labelled root's
+        verify_jws_receipt({**entry, "repo": "root/models"}, receipt, jwks)
+    with pytest.raises(ReceiptInvalid, match="names no repo"):
+        verify_jws_receipt({k: v for k, v in entry.items() if k != "repo"}, receipt, jwks)
     with pytest.raises(ReceiptInvalid, match="unknown key"):
         verify_jws_receipt(entry, _jws(key, "k2", signed), jwks)
     forged = _jws(Ed25519PrivateKey.generate(), "k1", signed)
@@ -71,3 +75,12 @@ def test_a_receipt_vouches_for_exactly_its_record():
         verify_jws_receipt(entry, _jws(key, "k1", {k: v for k, v in signed.items() if k != "publisher"}), jwks)
     with pytest.raises(ReceiptInvalid):
         verify_jws_receipt(entry, "not-a-jws", jwks)
+
+
+def test_only_a_platform_claim_on_a_root_repo_proves_a_root_record():
+    assert proves_root({"repo": "root/models", "plt": True})
+    assert not proves_root({"repo": "root/models"})  # no claim: a receipt of before, or forged into root's name
+    assert not proves_root({"repo": "root/models", "plt": "true"})
+    assert not proves_root({"repo": "platform/models", "plt": True})  # reserved, but not root
+    assert not proves_root({"repo": "acme/models", "plt": True})
+    assert not proves_root(None)  # a pluggable verifier that returns nothing proves nothing

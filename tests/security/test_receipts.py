@@ -4,10 +4,13 @@ This module imports nothing of the server: it talks to the running ``store``
 over HTTP (both configurations), rotates the key ring through the operator's
 CLI in a subprocess, and verifies receipts with PyJWT directly and with the
 client package's ``verify_receipt``. Retiring a key re-signs its receipts.
+A root record's receipt carries ``"plt": true``, which ``Want(root_only=True)``
+requires; a receipt never vouches for another repo than the entry's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,11 +18,14 @@ import time
 
 import jwt
 import pytest
+from cgstore_client import Client, Want
+from cgstore_client.boot import Eager, Loaded
 from cgstore_client.receipts import RECEIPT_AUDIENCE, RECEIPT_TYP, ReceiptInvalid, verify_receipt
 
 from tests.compiled_graphs.support import CONSTANTS_A, FAMILY, publication, publish, safetensors_bytes
 from tests.support.archives import archive_report
 from tests.support.live_store import unique_repo
+from tests.support.services import free_port
 
 CONSTANTS = safetensors_bytes(CONSTANTS_A)
 
@@ -192,3 +198,49 @@ def test_retiring_a_key_re_signs_its_receipts(make_store, pt2_archive):
     assert again.status_code == 200 and again.json()["receipt"] == hit["receipt"]
     claims = verify_receipt(hit["receipt"], keys, **expect, expect_issuer=live.settings.token_issuer)
     assert claims == jwt.decode(old, options={"verify_signature": False})  # the same facts, a new signature
+
+
+def test_a_root_record_s_receipt_carries_the_platform_claim(store, pt2_archive):
+    name = unique_repo("rcpt-root")
+    platform = store.mint("ci", f"root/{name}:read,write", platform=True)
+    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": CONSTANTS},
+                      envelope={"shapes": [[96, 96]], "text_len": 3})
+    with store.client(platform) as client:
+        created = publish(client, "root", name, pub)
+    assert created.status_code == 201, created.text
+    claims = offline_claims(created.json()["receipt"], jwks(store), store.settings.token_issuer)
+    assert claims["plt"] is True and claims["repo"] == f"root/{name}" and claims["publisher"] == "ci"
+
+
+def test_root_only_wants_serve_only_receipts_that_prove_root(store, pt2_archive, tmp_path):
+    """A tenant's record is eager for ``root_only``; relabelled ``root/...`` its receipt no longer verifies."""
+    tenant, platform_repo = unique_repo("rcpt-t"), unique_repo("rcpt-p")
+    tenant_token = store.mint("tenant", f"acme/{tenant}:read,write")
+    platform = store.mint("ci", f"root/{platform_repo}:read,write", platform=True)
+    report = archive_report(pt2_archive)
+    ours = publication(pt2_archive, report, components={"consts": CONSTANTS},
+                       envelope={"shapes": [[80, 80]], "text_len": 5})
+    theirs = publication(pt2_archive, report, components={"consts": CONSTANTS},
+                         envelope={"shapes": [[80, 80]], "text_len": 6})
+    with store.client(tenant_token) as client:
+        assert publish(client, "acme", tenant, ours).status_code == 201
+    with store.client(platform) as client:
+        assert publish(client, "root", platform_repo, theirs).status_code == 201
+
+    cache = tmp_path / "c"
+    with Client(store.base_url, tenant_token, cache_dir=cache) as worker:
+        tenant_only, root = worker.load(FAMILY, [Want(ours.key, root_only=True), Want(theirs.key, root_only=True)])
+        (plain,) = worker.load(FAMILY, [Want(ours.key)])
+    assert isinstance(tenant_only, Eager) and tenant_only.reason.startswith("not a root record"), tenant_only
+    assert isinstance(root, Loaded) and root.repo == f"root/{platform_repo}", root
+    assert isinstance(plain, Loaded) and plain.repo == f"acme/{tenant}", plain
+
+    # The tenant's cached entry relabelled as root's: the receipt names the tenant's repo.
+    entry_path = cache / "records" / f"{ours.key}.json"
+    entry = json.loads(entry_path.read_text())
+    entry_path.write_text(json.dumps({**entry, "repo": "root/models"}))
+    with Client(f"http://127.0.0.1:{free_port()}", tenant_token, cache_dir=cache, offline=True) as offline:
+        for want in (Want(ours.key), Want(ours.key, root_only=True)):
+            (served,) = offline.load(FAMILY, [want])
+            assert isinstance(served, Eager) and served.reason.startswith("receipt invalid"), served
+            assert "vouches for" in served.reason

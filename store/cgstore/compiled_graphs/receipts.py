@@ -11,8 +11,21 @@ A receipt is signed at publish and kept on the record row (with the ``kid``
 that signed it), so a 200 re-publish and every resolve hit answer the very
 bytes the 201 did. Retiring a key would leave its receipts unverifiable:
 ``cgstore keys retire`` re-signs them with the current key in the same
-transaction (``resign``), so a worker resolving again always gets a receipt
+transaction (``retire``), so a worker resolving again always gets a receipt
 the JWKS verifies.
+
+Signing and retiring exclude each other: a receipt is signed in the
+transaction that writes its record, after the write, with the signing key's
+row read ``FOR SHARE`` (``KeyRing.signing_key``); ``retire`` writes the key's
+row first. On PostgreSQL the retirement waits for every transaction signing
+with the key, then re-signs what they committed; on SQLite writers are
+serialized. So a receipt is never signed by a key whose retirement has
+committed, and the re-signing sees every receipt the key ever signed.
+
+Records under a reserved owner (``root/*`` …) could only be written through
+the root gate (``access.root_gate``: a platform principal's ``plt`` token with
+a grant naming the owner), so their receipts also carry ``"plt": true``: a
+worker proves offline that a record is the platform's, not a tenant's.
 """
 
 from __future__ import annotations
@@ -20,11 +33,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import jwt
-from cgstore_client.receipts import RECEIPT_ALGORITHM, RECEIPT_AUDIENCE, RECEIPT_TYP
+from cgstore_client.receipts import RECEIPT_ALGORITHM, RECEIPT_AUDIENCE, RECEIPT_PLATFORM, RECEIPT_TYP
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
+from cgstore.core.names import is_reserved_owner
 from cgstore.repos.models import Repo
 from cgstore.tokens.keys import KeyRing
 
@@ -36,8 +51,28 @@ def stamp(
     session: Session, keys: KeyRing, *, issuer: str, repo: str, row: CompiledGraph,
     components: Iterable[tuple[str, str]],
 ) -> None:
-    """Sign ``row`` (published in ``repo``, with its ``(name, digest)`` components) and keep receipt and kid on it."""
-    kid, private_key = keys.signing_key(session)
+    """Sign ``row`` (published in ``repo``, with its ``(name, digest)`` components) and keep receipt and kid on it.
+
+    In the transaction that writes the row, after that write (see the module docstring).
+    """
+    _sign(keys.signing_key(session), issuer=issuer, repo=repo, row=row, components=components)
+
+
+def retire(session: Session, keys: KeyRing, *, issuer: str, kid: str) -> tuple[bool, int]:
+    """Retire ``kid`` and re-sign its receipts, in ``session``'s transaction: (newly retired?, how many re-signed).
+
+    An already retired key is re-signed for too: that repairs receipts a store
+    from before signing and retiring excluded each other signed after the retirement.
+    """
+    retired = keys.retire(session, kid)
+    return retired, _resign(session, keys, issuer=issuer, retired_kid=kid)
+
+
+def _sign(
+    signer: tuple[str, Ed25519PrivateKey], *, issuer: str, repo: str, row: CompiledGraph,
+    components: Iterable[tuple[str, str]],
+) -> None:
+    kid, private_key = signer
     claims = {
         "iss": issuer,
         "aud": RECEIPT_AUDIENCE,
@@ -49,17 +84,19 @@ def stamp(
         "graph": row.graph_digest,
         "publisher": row.publisher,
     }
+    if is_reserved_owner(repo.partition("/")[0]):
+        claims[RECEIPT_PLATFORM] = True
     row.receipt = jwt.encode(claims, private_key, algorithm=RECEIPT_ALGORITHM, headers={"kid": kid, "typ": RECEIPT_TYP})
     row.receipt_kid = kid
 
 
-def resign(session: Session, keys: KeyRing, *, issuer: str, retired_kid: str) -> int:
+def _resign(session: Session, keys: KeyRing, *, issuer: str, retired_kid: str) -> int:
     """Re-sign every receipt ``retired_kid`` signed with the current signing key; returns how many.
 
-    Called in the transaction that retires the key, after it: the claims are
-    rebuilt from the record (they are the same facts), only ``kid`` and
-    signature change.
+    After the retirement, in its transaction: the claims are rebuilt from the
+    record (they are the same facts), only ``kid`` and signature change.
     """
+    signer = keys.signing_key(session)
     count, after = 0, 0
     while True:
         rows = session.execute(
@@ -78,6 +115,6 @@ def resign(session: Session, keys: KeyRing, *, issuer: str, retired_kid: str) ->
         ):
             components.setdefault(record_id, []).append((name, digest))
         for row, owner, name in rows:
-            stamp(session, keys, issuer=issuer, repo=f"{owner}/{name}", row=row, components=components.get(row.id, []))
+            _sign(signer, issuer=issuer, repo=f"{owner}/{name}", row=row, components=components.get(row.id, []))
         count += len(rows)
         after = rows[-1][0].id

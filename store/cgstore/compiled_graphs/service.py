@@ -2,7 +2,8 @@
 
 Publish runs admission (``admission.py``) outside any transaction, then one
 short transaction inserts the record if the key has no live record, with its
-components, its signed receipt (``receipts.py``) and its audit entry. Never
+components, its receipt (``receipts.py``: signed in that transaction, so a key
+retirement never slips between signature and record) and its audit entry. Never
 last-writer-wins: ``INSERT ... ON CONFLICT DO NOTHING`` against the partial
 unique index decides one winner among racing publishes; the others compare
 with the winner (same artifact and same components: 200, else 409
@@ -214,10 +215,6 @@ _INSERT_ATTEMPTS = 3
 def _insert_if_absent(
     ctx: StoreContext, claims: Claims, target: Repo, row: CompiledGraph, manifest: Manifest
 ) -> Published:
-    # Signed once, in a session of its own (it reads the key ring): each insert attempt
-    # below stays the first statement of its transaction.
-    with ctx.db.session() as session:
-        _stamp(ctx, session, target, row, manifest)
     crash_point("publish.admitted")
     for _ in range(_INSERT_ATTEMPTS):
         published = _try_insert(ctx, claims, target, row, manifest)
@@ -239,6 +236,11 @@ def _try_insert(
         record_id = session.execute(_insert_ignoring_live_conflict(session).values(**values).returning(
             CompiledGraph.id)).scalar()
         if record_id is not None:
+            # Signed here, after the write: a key's retirement cannot commit between this
+            # signature and the record's (receipts.py), so its re-signing never misses it.
+            _stamp(ctx, session, target, row, manifest)
+            session.execute(update(CompiledGraph).where(CompiledGraph.id == record_id)
+                            .values(receipt=row.receipt, receipt_kid=row.receipt_kid))
             # In this transaction, so that GC either sees the record's blobs linked now or
             # had condemned them first: then the publish is refused and the insert rolled back.
             condemned = hold_blobs(session, [row.artifact_digest, *(c.digest for c in manifest.components)])

@@ -34,7 +34,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from filelock import FileLock
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from cgstore.core.db import Database, insert_ignoring_conflicts, utcnow
@@ -110,12 +110,19 @@ class KeyRing:
     # -- the two questions every request asks ---------------------------------------
 
     def signing_key(self, session: Session) -> tuple[str, Ed25519PrivateKey]:
-        """The newest key that is not retired and whose private half is on this host."""
+        """The newest key that is not retired and whose private half is on this host.
+
+        The live keys' rows are read ``FOR SHARE`` (PostgreSQL; SQLite serializes
+        writers instead): ``retire`` cannot commit until the caller's transaction
+        has, so what it signs is either committed before the retirement (and seen
+        by the re-signing in its transaction) or signed by another key.
+        """
         self._ensure_enrolled()
         kids = session.scalars(
             select(SigningKey.kid)
             .where(SigningKey.retired_at.is_(None))
             .order_by(SigningKey.created_at.desc(), SigningKey.kid.desc())
+            .with_for_update(read=True)
         )
         for kid in kids:
             private = self._private_key(kid)
@@ -155,19 +162,26 @@ class KeyRing:
         """Stop accepting ``kid``; its tokens answer 401 from the next request. False if already retired.
 
         Refused when no other key this host can sign with would remain: rotate first.
+        The write comes first: it takes the key's row lock (PostgreSQL waits for
+        every transaction signing with it, ``signing_key``) and SQLite's write
+        lock, so once it returns no uncommitted signature by ``kid`` remains.
         """
         self._ensure_enrolled()
-        row = session.get(SigningKey, kid) if isinstance(kid, str) else None
-        if row is None:
+        if not isinstance(kid, str):
             raise NameUnknown(f"no signing key with kid {kid!r}")
-        if row.retired_at is not None:
+        retired = session.execute(
+            update(SigningKey).where(SigningKey.kid == kid, SigningKey.retired_at.is_(None))
+            .values(retired_at=utcnow()).returning(SigningKey.kid)
+        ).first()
+        if retired is None:
+            if session.get(SigningKey, kid) is None:
+                raise NameUnknown(f"no signing key with kid {kid!r}")
             return False
         others = session.scalars(
             select(SigningKey.kid).where(SigningKey.retired_at.is_(None), SigningKey.kid != kid)
         ).all()
         if not any(self._private_key(other) is not None for other in others):
             raise BadRequest(f"retiring {kid} would leave no key to sign with: run `cgstore keys rotate` first")
-        row.retired_at = utcnow()
         return True
 
     def list_keys(self, session: Session) -> list[KeyInfo]:
