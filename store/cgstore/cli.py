@@ -202,7 +202,7 @@ def keys_rotate() -> None:
 
 @keys_app.command("retire")
 def keys_retire(kid: str) -> None:
-    """Stop accepting KID: every token it signed answers 401 from the next request on.
+    """Stop accepting KID and re-sign its receipts with the current key (again on a retired KID: any left).
 
     The publish receipts KID signed are re-signed with the current key in the same
     transaction: records stay verifiable against ``GET /v1/keys``. Run again on a
