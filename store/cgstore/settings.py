@@ -56,6 +56,9 @@ class Settings(BaseSettings):
         24 * 3600, ge=0, description="Blobs linked more recently than this (and yanked records younger) are kept."
     )
     gc_batch_size: int = Field(500, ge=1, le=10_000, description="Blobs condemned and deleted per GC batch.")
+    scrub_interval_s: float = Field(
+        0.0, ge=0, description="How often the server scrubs the next batch of blobs (0: never; `cgstore scrub` only)."
+    )
     lease_ttl_s: float = Field(
         120.0, gt=0, description="Lifetime of a background task's lease; a crashed holder's lapses after this."
     )
