@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import secrets
+
 import pytest
 
+from cgstore.settings import Settings
 from tests.support import services
 from tests.support.live_store import CONFIGURATIONS, running_store, settings_for
 
@@ -56,3 +60,26 @@ def make_store(request, tmp_path_factory):
     yield start
     for manager in reversed(stack):
         manager.__exit__(None, None, None)
+
+
+@pytest.fixture
+def make_registry(request, tmp_path_factory):
+    """Start a store on a registry no other test shares (a fresh SQLite file and directory,
+    or a fresh PostgreSQL database and bucket), with setting overrides:
+    ``make_registry("production", scrub_interval_s=0.2)``. For tasks that read every row
+    (GC, the periodic scrub): on the session database they would meet other stores' blobs.
+    """
+    with contextlib.ExitStack() as stack:
+
+        def start(configuration: str, **overrides):
+            overrides.setdefault("reaper_interval_s", 3600)
+            overrides.setdefault("metrics_token", secrets.token_urlsafe(24))
+            home = tmp_path_factory.mktemp(f"registry-{configuration}")
+            if configuration == "production":
+                s3 = request.getfixturevalue("s3_server")
+                services.use_test_aws_credentials()
+                overrides["database_url"] = stack.enter_context(services.postgres_database("cgstore_own"))
+                overrides["storage_url"] = s3.storage_url(s3.create_bucket())
+            return stack.enter_context(running_store(Settings(home=home, **overrides), configuration))
+
+        yield start

@@ -28,7 +28,7 @@ from cgstore.core.inputs import refuse_unstorable_parameters
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.core.private import private_dir
 from cgstore.health.router import router as health_router
-from cgstore.operations import gc, leases
+from cgstore.operations import gc, leases, scrub
 from cgstore.operations import service as operations
 from cgstore.owners.router import router as owners_router
 from cgstore.repos.router import router as repos_router
@@ -63,17 +63,17 @@ def _open_sessions_or_nan(ctx: StoreContext) -> float:
 
 
 def _background_tasks(ctx: StoreContext) -> list[asyncio.Task]:
-    """The periodic tasks, each under its lease (one replica at a time runs each)."""
+    """The periodic tasks, each under its lease (one replica at a time runs each); the scrub only when asked."""
+    periodic = [
+        (leases.UPLOAD_REAPER, ctx.settings.reaper_interval_s, operations.reap_sessions),
+        (leases.GC, ctx.settings.gc_interval_s, gc.collect_garbage),
+        (leases.SCRUB, ctx.settings.scrub_interval_s, scrub.scrub_round),
+        (leases.AUDIT_CHECKPOINT, ctx.settings.audit_checkpoint_interval_s, chain.checkpoint_round),
+    ]
     return [
-        asyncio.create_task(
-            operations.run_periodically(ctx, leases.UPLOAD_REAPER, ctx.settings.reaper_interval_s, operations.reap_sessions)
-        ),
-        asyncio.create_task(operations.run_periodically(ctx, leases.GC, ctx.settings.gc_interval_s, gc.collect_garbage)),
-        asyncio.create_task(
-            operations.run_periodically(
-                ctx, leases.AUDIT_CHECKPOINT, ctx.settings.audit_checkpoint_interval_s, chain.checkpoint_round
-            )
-        ),
+        asyncio.create_task(operations.run_periodically(ctx, name, interval_s, task))
+        for name, interval_s, task in periodic
+        if interval_s > 0
     ]
 
 

@@ -258,7 +258,8 @@ def gc_command(
     grace: Annotated[str | None, typer.Option(help="Keep blobs linked more recently than this (default CGSTORE_GC_GRACE_S).")] = None,
     batch_size: Annotated[int | None, typer.Option(min=1, max=10_000, help="Blobs per batch (default CGSTORE_GC_BATCH_SIZE).")] = None,
 ) -> None:
-    """Delete blobs nothing keeps and reap expired upload sessions; one line per blob, a JSON summary last."""
+    """Delete blobs nothing keeps, reap expired upload sessions and drop staged uploads no session names;
+    one line per blob, a JSON summary last."""
     import json
 
     from cgstore.app import build_context
@@ -282,6 +283,8 @@ def gc_command(
         typer.echo(f"{verb} {digest}")
     for session_id in report.sessions:
         typer.echo(f"would reap upload session {session_id}")
+    for session_id in report.staged:
+        typer.echo(f"{'would drop' if dry_run else 'dropped'} staged upload {session_id} (no session)")
     typer.echo(json.dumps(report.summary()))
 
 

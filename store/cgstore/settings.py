@@ -73,9 +73,14 @@ class Settings(BaseSettings):
         "orphaned multipart writes older than this are aborted",
     )
     gc_batch_size: int = Field(500, ge=1, le=10_000, description="blobs condemned and deleted per GC batch (1–10000)")
+    scrub_interval_s: float = Field(
+        0.0, ge=0,
+        description="how often the server scrubs the next 100 blobs (under the `scrub` lease, one replica at a "
+        "time); `0`: never, only `cgstore scrub`",
+    )
     lease_ttl_s: float = Field(
         120.0, gt=0,
-        description="lifetime of a background task's lease (reaper, GC); a crashed holder's lapses after this",
+        description="lifetime of a background task's lease (reaper, GC, scrub); a crashed holder's lapses after this",
     )
     s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="multipart part size for S3 writes (≥ 5 MiB)")
     s3_max_concurrency: int = Field(

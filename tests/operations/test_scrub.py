@@ -17,9 +17,11 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 from cgstore.audit.models import AuditEvent
+from cgstore.blobs.models import Blob
 from cgstore.cli import app
 from cgstore.compiled_graphs.models import CompiledGraph
 from cgstore.operations import leases
+from cgstore.operations.models import Lease
 from cgstore.operations.ratelimit import TokenBucket
 from cgstore.operations.scrub import saved_cursor, scrub
 from tests.compiled_graphs.support import (
@@ -32,7 +34,7 @@ from tests.compiled_graphs.support import (
     safetensors_bytes,
     upload,
 )
-from tests.support.live_store import unique_repo
+from tests.support.live_store import CONFIGURATIONS, unique_repo
 from tests.support.services import S3_ENV
 from tests.support.tamper import delete_object, flip_byte, put_raw
 
@@ -307,3 +309,62 @@ def test_one_scrub_at_a_time_under_the_scrub_lease(world):
     # Released after the run: another replica takes it at once.
     assert leases.acquire(store.context.db, leases.SCRUB, "next-replica", ttl_s=600) is not None
     leases.release(store.context.db, "next-replica")
+
+
+# -- the server's periodic scrub ---------------------------------------------------------
+
+
+def _health(live, digest: str) -> str:
+    with live.context.db.session() as session:
+        return session.get(Blob, digest).health
+
+
+def _flipped_blob(live) -> BlobBytes:
+    """A blob uploaded to a fresh repo, then one of its stored bits flipped behind the store's back."""
+    name = unique_repo("periodic-scrub")
+    blob = BlobBytes(b"bytes the periodic scrub must find damaged " + uuid.uuid4().bytes)
+    with live.client(live.mint("uploader", f"acme/{name}:read,write")) as client:
+        upload(client, "acme", name, blob)
+    flip_byte(live, blob.digest, blob.data)
+    return blob
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS)
+def test_the_server_scrubs_every_interval_under_its_lease_and_marks_damage_no_one_asked_about(
+    make_registry, configuration
+):
+    # A registry of its own: the scrub reads every blob row, and the session database
+    # names other stores' blobs, whose bytes are in other buckets.
+    live = make_registry(configuration, scrub_interval_s=0.2)
+    blob = _flipped_blob(live)
+    deadline = time.monotonic() + 30
+    while _health(live, blob.digest) != "corrupt":
+        assert time.monotonic() < deadline, "the periodic scrub never marked the flipped blob"
+        time.sleep(0.1)
+    with live.context.db.session() as session:
+        assert session.get(Lease, leases.SCRUB).holder == live.context.instance
+    assert 'cgstore_background_rounds_total{outcome="ran",task="scrub"}' in live.scrape_metrics()
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS)
+def test_with_the_interval_at_zero_the_server_never_scrubs(make_registry, configuration):
+    live = make_registry(configuration)  # CGSTORE_SCRUB_INTERVAL_S defaults to 0: off
+    assert live.settings.scrub_interval_s == 0
+    blob = _flipped_blob(live)
+    time.sleep(1.5)
+    assert _health(live, blob.digest) == "ok"
+    with live.context.db.session() as session:
+        assert session.get(Lease, leases.SCRUB) is None
+    assert 'task="scrub"' not in live.scrape_metrics()
+
+
+def test_a_limited_walk_stops_with_its_cursor_saved_and_the_next_one_resumes_there(world):
+    """The bound of a periodic round: ``limit`` blobs, then the next round carries on."""
+    store = world.store
+    first = scrub(store.context, repo=world.repo, limit=2)
+    assert first.checked == 2 and not first.complete
+    cursor = saved_cursor(store.context, world.repo)
+    assert cursor is not None
+    rest = scrub(store.context, repo=world.repo, resume=True, limit=1000)
+    assert rest.complete and rest.checked >= 1
+    assert saved_cursor(store.context, world.repo) is None

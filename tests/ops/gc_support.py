@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,11 +13,9 @@ from sqlalchemy import func, insert, select
 from cgstore.blobs.models import Blob, RepoBlob
 from cgstore.core.db import utcnow
 from cgstore.repos.models import Repo
-from cgstore.settings import Settings
 from cgstore.storage.fs import FileStorage
 from cgstore.storage.hashing import blob_key
-from tests.support import services
-from tests.support.live_store import CONFIGURATIONS, LiveStore, running_store, unique_repo
+from tests.support.live_store import CONFIGURATIONS, LiveStore, unique_repo
 
 NOW = utcnow()
 OLD = NOW - dt.timedelta(days=2)
@@ -27,22 +24,9 @@ GRACE_S = 24 * 3600
 
 
 @pytest.fixture(params=CONFIGURATIONS)
-def registry(request, tmp_path) -> LiveStore:
+def registry(request, make_registry) -> LiveStore:
     """A store on a registry no other test shares."""
-    with contextlib.ExitStack() as stack:
-        if request.param == "embedded":
-            settings = Settings(home=tmp_path / "home", reaper_interval_s=3600)
-        else:
-            s3 = request.getfixturevalue("s3_server")
-            services.use_test_aws_credentials()
-            url = stack.enter_context(services.postgres_database("cgstore_gc"))
-            settings = Settings(
-                home=tmp_path / "home",
-                database_url=url,
-                storage_url=s3.storage_url(s3.create_bucket()),
-                reaper_interval_s=3600,
-            )
-        yield stack.enter_context(running_store(settings, request.param))
+    return make_registry(request.param)
 
 
 # -- seeding ---------------------------------------------------------------------------

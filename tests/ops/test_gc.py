@@ -166,6 +166,48 @@ def test_expired_sessions_are_listed_by_the_dry_run_and_reaped(registry):
         assert storage.client.list_objects_v2(Bucket=storage.bucket, Prefix=storage.key("uploads/")).get("KeyCount") == 0
 
 
+def _staged_session_ids(live) -> set[str]:
+    """The sessions with staged bytes, read off the backend's listing (``uploads/<session>[/<chunk>]``)."""
+    listed, cursor = [], None
+    while True:
+        page, cursor = live.context.storage.list_keys("uploads/", cursor)
+        listed += page
+        if cursor is None:
+            return {item.key.split("/")[1] for item in listed}
+
+
+def test_staged_uploads_no_session_names_are_dropped_after_the_grace_and_a_live_session_keeps_its_own(registry):
+    live = registry
+    name = unique_repo()
+    token = live.mint("alice", f"acme/{name}:read,write")
+    sessions = []
+    with live.client(token) as client:
+        for _ in range(2):
+            location = client.post(f"/v1/repos/acme/{name}/uploads").headers["location"]
+            assert client.patch(location, content=b"x" * 1000, headers={"Content-Range": "0-999"}).status_code == 202
+            sessions.append(location.rsplit("/", 1)[-1])
+    orphaned, kept = sessions
+    with live.context.db.session() as session:  # as if a cancel had raced an append, or a crash
+        session.execute(UploadSession.__table__.delete().where(UploadSession.id == orphaned))
+    grace_s = 600
+    later = utcnow() + dt.timedelta(seconds=2 * grace_s)  # past the grace, before the live session expires
+
+    within = gc.collect(live.context, grace_s=grace_s)
+    assert _staged_session_ids(live) == {orphaned, kept}
+    dry = gc.collect(live.context, dry_run=True, now=later, grace_s=grace_s)
+    assert _staged_session_ids(live) == {orphaned, kept}  # a dry run drops nothing
+    report = gc.collect(live.context, now=later, grace_s=grace_s)
+    assert _staged_session_ids(live) == {kept}
+    assert within.staged == [] and dry.staged == report.staged == [orphaned] and dry.summary()["staged"] == 1
+    # The live session is whole: it commits.
+    data = b"x" * 1000
+    with live.client(token) as client:
+        digest = "blake3:" + blake3.blake3(data).hexdigest()
+        answer = client.put(f"/v1/repos/acme/{name}/uploads/{kept}", params={"digest": digest})
+    assert answer.status_code == 201, answer.text
+    assert gc.collect(live.context, now=later, grace_s=grace_s).staged == []
+
+
 def test_cli_gc_dry_run_lists_what_the_real_run_deletes(registry, monkeypatch):
     live = registry
     keep, drop = make_blobs(12, "cli-keep"), make_blobs(9, "cli-drop")

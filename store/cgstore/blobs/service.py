@@ -468,6 +468,32 @@ def reap_expired_sessions(
     return len(expired) + orphans
 
 
+def sessionless_staging(ctx: StoreContext, written_before: dt.datetime, batch_size: int) -> list[str]:
+    """Staged uploads last written before ``written_before`` that no session row names.
+
+    How they come about: an append that finished after its session was cancelled
+    or reaped, an abort that failed (storage unreachable) after the row was gone,
+    a process that died between staging and recording a session. Whoever wrote
+    them is long gone once they are older than the cutoff (the GC grace): a
+    session's staging is written before its row, never after it is deleted.
+    """
+    staged = ctx.storage.staged_sessions(written_before)
+    orphaned = []
+    for start in range(0, len(staged), batch_size):
+        batch = staged[start : start + batch_size]
+        with ctx.db.session() as session:
+            recorded = set(session.scalars(select(UploadSession.id).where(UploadSession.id.in_(batch))))
+        orphaned += [session_id for session_id in batch if session_id not in recorded]
+    return orphaned
+
+
+def drop_staging(ctx: StoreContext, session_ids: list[str], heartbeat: Callable[[], None] = lambda: None) -> None:
+    """Delete the staged bytes of ``session_ids`` (``sessionless_staging``); ``heartbeat`` runs between them."""
+    for session_id in session_ids:
+        heartbeat()
+        ctx.storage.stage_abort(StagedUpload(session_id))
+
+
 def open_session_count(ctx: StoreContext) -> int:
     with ctx.db.session() as session:
         return session.scalar(select(func.count()).select_from(UploadSession).where(UploadSession.expires_at > utcnow()))

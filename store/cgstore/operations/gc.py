@@ -19,6 +19,9 @@ anywhere is finished by the next one:
 2. *delete the bytes* — absent objects count as deleted.
 3. *forget* — the blob's repo links and row are deleted.
 
+After the blobs, GC reaps expired upload sessions and drops staged uploads
+no session row names any more, once last written longer ago than the grace.
+
 The scan walks blobs by digest with a keyset cursor, saved in the GC lease
 after every batch, so a successor on another replica resumes where a dead
 holder stopped.
@@ -70,6 +73,8 @@ class GcReport:
     #: Expired upload sessions (dry: their ids) and orphaned writes reclaimed.
     sessions: list[str] = field(default_factory=list)
     sessions_reaped: int = 0
+    #: Staged uploads no session row names, older than the grace: dropped (dry: would be).
+    staged: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
         return {
@@ -78,6 +83,7 @@ class GcReport:
             "bytes": self.bytes,
             "batches": len(self.batches),
             "sessions": self.sessions_reaped if not self.dry_run else len(self.sessions),
+            "staged": len(self.staged),
         }
 
 
@@ -194,6 +200,7 @@ def collect(
     if lease is not None and not dry_run:
         lease.save_cursor(None)  # a full pass: the next run starts from the beginning
     _collect_sessions(ctx, report, now, grace_s, lease)
+    _sweep_staging(ctx, report, cutoff, batch_size, lease)
     return report
 
 
@@ -204,10 +211,23 @@ def _collect_sessions(
     if report.dry_run:
         report.sessions = blobs_service.expired_session_ids(ctx, now)
         return
-    heartbeat = lease.renew if lease is not None else (lambda: None)
     report.sessions_reaped = blobs_service.reap_expired_sessions(
-        ctx, now, heartbeat=heartbeat, orphan_age_s=grace_s
+        ctx, now, heartbeat=_heartbeat(lease), orphan_age_s=grace_s
     )
+
+
+def _sweep_staging(
+    ctx: StoreContext, report: GcReport, cutoff: dt.datetime, batch_size: int, lease: HeldLease | None
+) -> None:
+    """Staged uploads whose session row is gone, last written before the grace cutoff."""
+    report.staged = blobs_service.sessionless_staging(ctx, cutoff, batch_size)
+    if not report.dry_run:
+        blobs_service.drop_staging(ctx, report.staged, heartbeat=_heartbeat(lease))
+
+
+def _heartbeat(lease: HeldLease | None) -> Callable[[], None]:
+    """What runs between units of work: the lease's renew, when the run holds one."""
+    return lease.renew if lease is not None else (lambda: None)
 
 
 def collect_garbage(ctx: StoreContext, lease: HeldLease) -> int:
@@ -215,6 +235,6 @@ def collect_garbage(ctx: StoreContext, lease: HeldLease) -> int:
     report = collect(ctx, lease=lease)
     ctx.metrics.gc_blobs_deleted.inc(len(report.blobs))
     ctx.metrics.gc_bytes_deleted.inc(report.bytes)
-    if report.blobs or report.sessions_reaped:
+    if report.blobs or report.sessions_reaped or report.staged:
         log.info("gc: %s", report.summary())
     return len(report.blobs)

@@ -15,6 +15,10 @@ sample checks ``sample`` blobs picked at random and leaves the cursor alone.
 Reads are paced by a token bucket on bytes (``rate_bytes_s``), so a scrub
 shares the disk or bucket with serving traffic.
 
+With ``CGSTORE_SCRUB_INTERVAL_S`` set, each server round (under the ``scrub``
+lease) checks the next ``BATCH`` blobs of the pass over every blob, so a round
+is bounded and successive rounds cover the registry.
+
 Infrastructure failures (``Unavailable``) stop the scrub and propagate: an
 outage is not evidence against the bytes, and the saved cursor lets the next
 run carry on.
@@ -22,6 +26,7 @@ run carry on.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +41,7 @@ from cgstore.core.db import utcnow
 from cgstore.core.errors import BlobUnknown, NameUnknown
 from cgstore.core.names import validate_owner, validate_repo
 from cgstore.operations.health import set_blob_health
+from cgstore.operations.leases import HeldLease
 from cgstore.operations.models import ScrubCursor
 from cgstore.operations.ratelimit import TokenBucket
 from cgstore.repos.service import find_repo
@@ -82,10 +88,12 @@ def scrub(
     sample: int | None = None,
     rate_bytes_s: float | None = None,
     resume: bool = False,
+    limit: int | None = None,
     heartbeat: Callable[[], None] = lambda: None,
 ) -> ScrubReport:
     """Check the blobs of ``repo`` (``owner/name``; None: all). ``heartbeat`` runs between blobs
-    (a lease's renew: raising there stops the scrub, the cursor already saved)."""
+    (a lease's renew: raising there stops the scrub, the cursor already saved). A walk stops
+    after ``limit`` blobs, its cursor saved for the next one to ``resume`` from."""
     with ctx.db.session() as session:
         repo_id = _repo_id(session, repo)
     report = ScrubReport(scope=repo or SCOPE_ALL)
@@ -93,16 +101,22 @@ def scrub(
     bucket = TokenBucket(rate_bytes_s, rate_bytes_s) if rate_bytes_s else None
     walking = sample is None
     batches = _walk(ctx, report.scope, repo_id, resume) if walking else _sampled(ctx, repo_id, sample)
-    for batch in batches:
-        for digest, size in batch:
-            heartbeat()
-            _check(ctx, digest, size, bucket, report, walking)
-    if walking:
+    for digest, size in itertools.islice((blob for batch in batches for blob in batch), limit):
+        heartbeat()
+        _check(ctx, digest, size, bucket, report, walking)
+    if walking and (limit is None or report.checked < limit):
         # The pass reached the end: the next one starts afresh.
         with ctx.db.session() as session:
             _save_cursor(session, report.scope, None)
         report.complete = True
     return report
+
+
+def scrub_round(ctx: StoreContext, lease: HeldLease) -> int:
+    """The periodic scrub round (``operations.service.run_periodically``, every
+    ``CGSTORE_SCRUB_INTERVAL_S``): the next ``BATCH`` blobs of the pass over every
+    blob, continued from its cursor. Returns how many it found damaged."""
+    return len(scrub(ctx, resume=True, limit=BATCH, heartbeat=lease.renew).damaged)
 
 
 def saved_cursor(ctx: StoreContext, repo: str | None = None) -> str | None:

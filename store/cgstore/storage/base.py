@@ -30,6 +30,7 @@ Contract, shared by both backends:
 from __future__ import annotations
 
 import abc
+import datetime as dt
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -230,6 +231,11 @@ class Storage(ObjectStore):
     def stage_abort(self, staged: StagedUpload) -> None:
         """Drop everything staged for the session. Idempotent."""
 
+    @abc.abstractmethod
+    def staged_sessions(self, written_before: dt.datetime) -> list[str]:
+        """The session ids whose staging was last written before ``written_before``
+        (garbage collection drops those no session row names any more)."""
+
     # -- operations ----------------------------------------------------------
     @abc.abstractmethod
     def ping(self) -> None:
@@ -239,5 +245,6 @@ class Storage(ObjectStore):
         """Reclaim the bytes of blob writes whose process died mid-write (fs temp
         files, S3 multipart uploads under ``blobs/``) started more than
         ``older_than_s`` ago; return how many were reclaimed. Staged uploads are
-        not touched: their sessions own them (``stage_abort``)."""
+        not touched: their sessions own them (``stage_abort``), and garbage collection
+        drops those no session names any more (``staged_sessions``)."""
         return 0

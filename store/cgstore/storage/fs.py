@@ -47,6 +47,7 @@ removes those older than a given age.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import errno
 import fcntl
 import os
@@ -60,7 +61,14 @@ from urllib.request import url2pathname
 from cgstore.core.errors import BlobUploadUnknown, DigestInvalid, RangeInvalid, SizeInvalid, Unavailable
 from cgstore.core.private import DIR_MODE, FILE_MODE, private_dir
 from cgstore.storage.base import ObjectInfo, ObjectMissing, StagedUpload, StageWriter, Storage
-from cgstore.storage.hashing import READ_CHUNK_BYTES, StreamVerifier, blob_key, check_session_id, parse_digest
+from cgstore.storage.hashing import (
+    READ_CHUNK_BYTES,
+    StreamVerifier,
+    blob_key,
+    check_session_id,
+    is_session_id,
+    parse_digest,
+)
 from cgstore.storage.writer import PendingObject
 
 
@@ -272,6 +280,16 @@ class FileStorage(Storage):
         # bytes the kernel frees when it closes.
         with _os_errors("stage_abort"):
             self._upload_path(staged.session_id).unlink(missing_ok=True)
+
+    def staged_sessions(self, written_before: dt.datetime) -> list[str]:
+        cutoff = written_before.timestamp()
+        found = []
+        with _os_errors("list_staging"):
+            for entry in os.scandir(self.uploads_dir):
+                with contextlib.suppress(FileNotFoundError):  # committed or aborted meanwhile
+                    if entry.stat().st_mtime < cutoff and is_session_id(entry.name):
+                        found.append(entry.name)
+        return found
 
     @contextlib.contextmanager
     def _locked_staging(self, session_id: str) -> Iterator[int]:

@@ -50,9 +50,14 @@ def blob_key(hex_digest: str) -> str:
     return f"blobs/{hex_digest[:2]}/{hex_digest}"
 
 
+def is_session_id(name: str) -> bool:
+    """Whether ``name`` is safe to use as a session's file name / key segment."""
+    return isinstance(name, str) and _SESSION_ID_RE.fullmatch(name) is not None
+
+
 def check_session_id(session_id: str) -> str:
     """A session id safe to use as a file name / key segment; else it cannot exist."""
-    if not isinstance(session_id, str) or not _SESSION_ID_RE.fullmatch(session_id):
+    if not is_session_id(session_id):
         raise BlobUploadUnknown("no such upload session", session_id=str(session_id)[:100])
     return session_id
 

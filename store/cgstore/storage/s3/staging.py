@@ -44,6 +44,7 @@ import math
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from botocore.exceptions import ClientError
@@ -191,6 +192,23 @@ class StagedUploads:
         # complete a chunk object after the deletion below.
         self._abort_multipart_uploads(prefix)
         self._delete_prefix(prefix)
+
+    def staged_sessions(self, written_before: datetime) -> list[str]:
+        """Judged by the newest chunk object of each session (``LastModified``). Open
+        multipart uploads of a chunk are not listed: ``stage_abort`` aborts them with
+        the session's objects, and a bucket lifecycle rule reclaims any left alone."""
+        staging = self.key("uploads/")
+        newest: dict[str, datetime] = {}
+        with s3_errors("list_objects"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=staging):
+                for item in page.get("Contents", []):
+                    session_id = item["Key"].removeprefix(staging).split("/", 1)[0]
+                    newest[session_id] = max(item["LastModified"], newest.get(session_id, item["LastModified"]))
+        return [
+            session_id
+            for session_id, written in newest.items()
+            if written < written_before and hashing.is_session_id(session_id)
+        ]
 
     def _delete_prefix(self, prefix: str) -> None:
         with s3_errors("delete_objects"):
