@@ -61,11 +61,12 @@ class Loaded:
     key: str
     artifact_path: Path
     component_paths: Mapping[str, Path] = field(default_factory=dict)
-    record: Mapping[str, Any] = field(default_factory=dict)
+    # The record and its receipt are long: kept out of the repr (``print(loaded)`` is one line).
+    record: Mapping[str, Any] = field(default_factory=dict, repr=False)
     repo: str | None = None
     lane: str | None = None
     lane_reason: str | None = None
-    receipt: object = None
+    receipt: object = field(default=None, repr=False)
 
     @property
     def input_contract(self) -> Mapping[str, Any]:

@@ -342,8 +342,15 @@ class Client:
             if self.offline:
                 self._jwks = self.cache.read_json(cached) or {"keys": []}
             else:
-                self._jwks = self.transport.request("GET", "/v1/keys").json()
-                self.cache.write_json(cached, self._jwks)
+                try:
+                    self._jwks = self.transport.request("GET", "/v1/keys").json()
+                except Unavailable:
+                    # The store is down: the cached JWKS still verifies what the cache holds.
+                    self._jwks = self.cache.read_json(cached)
+                    if self._jwks is None:
+                        raise
+                else:
+                    self.cache.write_json(cached, self._jwks)
         return self._jwks
 
     def _fetch_all(self, entries: list[dict[str, Any]]) -> dict[str, Any]:

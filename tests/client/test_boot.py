@@ -132,6 +132,31 @@ def test_offline_serves_what_was_loaded_and_names_what_it_cannot(store, publishe
             offline.load(FAMILY, [Want(unknown, mandatory=True)])
 
 
+def test_with_the_store_down_a_fresh_client_answers_from_a_warm_cache(store, published, tmp_path):
+    """Not offline mode: the store simply does not answer. The cached record and JWKS serve the boot."""
+    repo, token, key = published
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        (online,) = client.load(FAMILY, [key])
+    unknown = "ck1-" + "e" * 56
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    with Client(gone, token, cache_dir=tmp_path / "c") as fresh:
+        served, refused = fresh.load(FAMILY, [key, unknown])
+    assert isinstance(served, Loaded) and served.artifact_path == online.artifact_path
+    assert refused.key == unknown and refused.reason.startswith("store unavailable")
+    with Client(gone, token, cache_dir=tmp_path / "cold") as cold:  # nothing cached: the outage is said
+        (eager,) = cold.load(FAMILY, [key])
+    assert isinstance(eager, Eager) and eager.reason.startswith("store unavailable")
+
+
+def test_a_loaded_result_prints_on_one_short_line(store, published, tmp_path):
+    repo, token, key = published
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        (loaded,) = client.load(FAMILY, [key])
+    shown = repr(loaded)
+    assert shown.startswith(f"Loaded(key='{key}'") and f"repo='{repo}'" in shown
+    assert "\n" not in shown and len(shown) < 600 and loaded.receipt not in shown
+
+
 def _store_bytes(store, digest: str, data: bytes) -> None:
     """Overwrite the stored bytes of ``digest`` behind the store's back (bit rot, a bad disk)."""
     storage = store.context.storage
