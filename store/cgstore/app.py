@@ -72,11 +72,11 @@ def _background_tasks(ctx: StoreContext) -> list[asyncio.Task]:
 
 
 async def _flush_denials(ctx: StoreContext) -> None:
-    """The last 401s counted before shutdown go to the audit log too."""
+    """The last 401s counted and hidden misses deferred before shutdown go to the audit log too."""
     try:
         await run_in_threadpool(ctx.denials.flush)
     except Exception:  # the database is gone at shutdown: say how many were lost
-        log.exception("could not write %d counted 401s to the audit log", ctx.denials.pending)
+        log.exception("could not write %d pending denials to the audit log", ctx.denials.pending)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
