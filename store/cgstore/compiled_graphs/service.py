@@ -58,7 +58,6 @@ from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGra
 from cgstore.context import StoreContext
 from cgstore.core.db import in_values, utcnow
 from cgstore.core.errors import (
-    BadRequest,
     BlobReferenceUnknown,
     KeyConflict,
     KeyInvalid,
@@ -69,7 +68,6 @@ from cgstore.core.errors import (
     hidden_miss,
 )
 from cgstore.core.faults import crash_point
-from cgstore.core.http import parse_row_id
 from cgstore.core.names import ROOT_OWNER, validate_owner, validate_repo
 from cgstore.core.private import private_dir
 from cgstore.repos.models import Repo
@@ -337,11 +335,12 @@ def list_records(
     ctx: StoreContext, claims: Claims, owner: str, repo: str, *,
     family: str | None, sm: str | None, lane: str | None, cursor: str | None, limit: int,
 ) -> RecordPage:
-    """Live records of a repo, oldest first, keyset-paginated by id (``cursor`` is the last id seen)."""
-    after = _parse_cursor(cursor)
+    """Live records of a repo, oldest first, keyset-paginated by id; ``cursor`` is opaque (``core.cursors``)."""
     limit = min(limit, MAX_LIST_LIMIT)
     with ctx.db.session() as session:
         target = _readable(session, ctx, claims, owner, repo, None)
+        scope = cursor_scope(target)
+        after = ctx.cursors.open(scope, cursor) if cursor else 0
         query = select(CompiledGraph).where(
             CompiledGraph.repo_id == target.id, CompiledGraph.yanked_at.is_(None), CompiledGraph.id > after
         )
@@ -353,17 +352,13 @@ def list_records(
         components = _components_of(session, [row.id for row in page])
     return RecordPage(
         records=[to_record(target, row, components.get(row.id, [])) for row in page],
-        next_cursor=str(page[-1].id) if more else None,
+        next_cursor=ctx.cursors.seal(scope, page[-1].id) if more else None,
     )
 
 
-def _parse_cursor(cursor: str | None) -> int:
-    if cursor is None or cursor == "":
-        return 0
-    after = parse_row_id(cursor)
-    if after is None:
-        raise BadRequest("cursor is the next_cursor of a previous page", cursor=cursor[:40])
-    return after
+def cursor_scope(target: Repo) -> str:
+    """What a listing cursor is sealed to: this repo's records (a repo made again has a new id)."""
+    return f"compiled-graphs:{target.id}"
 
 
 def _components_of(session: Session, record_ids: list[int]) -> dict[int, list[CompiledGraphComponent]]:
