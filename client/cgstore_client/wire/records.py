@@ -185,7 +185,10 @@ class PublishAnswer(_Wire):
 
 
 class RecordPage(_Wire):
-    """One page of a repo's records; ``next_cursor`` is None on the last page."""
+    """One page of a repo's records; ``next_cursor`` is None on the last page.
+
+    ``next_cursor`` is opaque: pass it back as ``cursor`` unchanged, to the same repo's listing.
+    """
 
     records: list[Record]
     next_cursor: str | None = None
