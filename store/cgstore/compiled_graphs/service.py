@@ -321,8 +321,8 @@ def get_record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: st
         if is_key(key):
             live = session.scalar(_visible(_live(target.id, key), claims, target).limit(1))
             # Only an id: a hidden miss loads no more than an absent one, so it takes no longer.
-            anyone_s = _live(target.id, key).with_only_columns(CompiledGraph.id).limit(1)
-            if live is None and session.scalar(anyone_s) is not None:
+            any_live_id = _live(target.id, key).with_only_columns(CompiledGraph.id).limit(1)
+            if live is None and session.scalar(any_live_id) is not None:
                 # Another principal's record in a private cache: the absent miss, audited as a denial.
                 raise hidden_miss(NameUnknown, "no such compiled graph", key=key[:120])
         if live is None:

@@ -17,7 +17,6 @@ survive restarts and token-key rotations.
 from __future__ import annotations
 
 import base64
-import binascii
 import os
 
 from cryptography.exceptions import InvalidTag
@@ -45,13 +44,15 @@ class CursorSeal:
 
     def open(self, scope: str, cursor: str) -> int:
         """The position ``cursor`` holds, if this store sealed it for ``scope``; else ``BAD_REQUEST``."""
-        try:
+        if len(cursor) != CURSOR_LEN:
+            raise _not_ours(cursor)
+        try:  # binascii.Error and a non-ASCII cursor's UnicodeEncodeError are ValueErrors
             raw = base64.urlsafe_b64decode(cursor.encode("ascii") + b"=" * (-len(cursor) % 4))
-            if len(cursor) != CURSOR_LEN or not raw:
-                raise ValueError(cursor)
             plain = self._aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], scope.encode())
-        except (ValueError, UnicodeEncodeError, binascii.Error, InvalidTag):
-            raise BadRequest(
-                "cursor is not the next_cursor of a previous page of this listing", cursor=cursor[:CURSOR_LEN]
-            ) from None
+        except (ValueError, InvalidTag):
+            raise _not_ours(cursor) from None
         return int.from_bytes(plain, "big")
+
+
+def _not_ours(cursor: str) -> BadRequest:
+    return BadRequest("cursor is not the next_cursor of a previous page of this listing", cursor=cursor[:CURSOR_LEN])
