@@ -20,6 +20,7 @@ from cgstore.audit.router import router as audit_router
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.router import router as blobs_router
 from cgstore.context import StoreContext
+from cgstore.core.cursors import CursorSeal
 from cgstore.core.db import Database
 from cgstore.compiled_graphs.router import repo_router as compiled_graphs_router
 from cgstore.compiled_graphs.router import resolve_router as compiled_graphs_resolve_router
@@ -43,13 +44,15 @@ log = logging.getLogger(__name__)
 def build_context(settings: Settings) -> StoreContext:
     private_dir(settings.home)
     db = Database(settings.resolved_database_url)
+    tokens = TokenService(db, settings)
     ctx = StoreContext(
         settings=settings,
         db=db,
         storage=open_storage(settings),
-        tokens=TokenService(db, settings),
+        tokens=tokens,
         metrics=Metrics(settings.metrics_family_labels),
         denials=DenialLog(db, settings.audit_interval_s, settings.audit_max_sources),
+        cursors=CursorSeal(tokens.keys.derive("listing-cursors")),
     )
     ctx.metrics.watch_upload_sessions(lambda: _open_sessions_or_nan(ctx))
     return ctx
@@ -78,11 +81,11 @@ def _background_tasks(ctx: StoreContext) -> list[asyncio.Task]:
 
 
 async def _flush_denials(ctx: StoreContext) -> None:
-    """The last 401s counted before shutdown go to the audit log too."""
+    """The last 401s counted and hidden misses deferred before shutdown go to the audit log too."""
     try:
         await run_in_threadpool(ctx.denials.flush)
     except Exception:  # the database is gone at shutdown: say how many were lost
-        log.exception("could not write %d counted 401s to the audit log", ctx.denials.pending)
+        log.exception("could not write %d pending denials to the audit log", ctx.denials.pending)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

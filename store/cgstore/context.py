@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from cgstore.audit.denials import DenialLog
+from cgstore.core.cursors import CursorSeal
 from cgstore.core.db import Database
 from cgstore.core.metrics import Metrics
 from cgstore.settings import Settings
@@ -29,6 +30,8 @@ class StoreContext:
     tokens: TokenService
     metrics: Metrics
     denials: DenialLog
+    #: Seals and opens the listings' opaque cursors (``core.cursors``).
+    cursors: CursorSeal
     #: Names this store process among replicas (the holder of its leases).
     instance: str = field(default_factory=lambda: instance_id())
 

@@ -189,10 +189,27 @@ def test_a_hidden_404_with_nul_and_surrogates_is_audited(store):
         "path_params": {"owner": "acme", "repo": name}, "state": {"claims": claims},
     })
     anyio.run(audit_denial, request, hidden_miss(BlobUnknown, "blob unknown to this repo \x00\ud800"))
+    store.context.denials.flush()  # a hidden miss's row is deferred to the next flush
     (row,) = rows(store, AuditEvent.repo == f"acme/{name}")
     assert row.target == f"/v1/repos/acme/{name}/blobs/x\\x00y\\ud800"
     assert (row.outcome, row.actor, row.source) == ("BLOB_UNKNOWN", "eve", "192.0.2.7")
     assert row.detail == {"message": "blob unknown to this repo \\x00\\ud800"}
+
+
+def test_hidden_misses_are_deferred_one_row_each_and_counted_beyond_the_bound(store):
+    denials = DenialLog(store.context.db, interval_s=NO_FLUSH, max_sources=2)
+    marker = unique_repo("deferred")
+    for i in range(3):
+        denials.defer(actor="bob", jti=f"j{i}", action="GET x", target=f"/{marker}/{i}", repo=f"acme/{marker}",
+                      outcome="NAME_UNKNOWN", source="192.0.2.3", message="no such compiled graph")
+    assert denials.pending == 3
+    first = last_id(store)
+    assert denials.flush() == 3 and denials.pending == 0
+    written = rows(store, AuditEvent.id > first, AuditEvent.target.contains(marker))
+    assert sorted((row.jti or "", row.count, row.repo or "") for row in written) == [
+        ("", 1, ""), ("j0", 1, f"acme/{marker}"), ("j1", 1, f"acme/{marker}")
+    ]
+    assert all((row.actor, row.outcome, row.source) == ("bob", "NAME_UNKNOWN", "192.0.2.3") for row in written)
 
 
 def test_an_aggregate_keeps_bounded_samples_of_huge_paths(store):

@@ -4,9 +4,10 @@ Issue 15 §2, on both configurations: a publish whose free-form fields nest too
 deep or are too large is refused with 422 ``METADATA_INVALID``, one holding a
 lone surrogate with 400 ``BAD_REQUEST`` by the one text rule (before, it was stored and every later read of the record
 and the listing answered a plain-text 500); an envelope number past any decimal
-context is 422 ``ENVELOPE_INVALID`` (was ``decimal.Overflow``); a cursor past
-int64 and an audit time with no UTC spelling are 400 ``BAD_REQUEST`` (were
-overflows in the database driver). After every refusal the record and the
+context is 422 ``ENVELOPE_INVALID`` (was ``decimal.Overflow``); an audit cursor
+past int64 and an audit time with no UTC spelling are 400 ``BAD_REQUEST`` (were
+overflows in the database driver), and so is a bare id as a listing cursor
+(listing cursors are opaque; the int64 edge is sealed by the store). After every refusal the record and the
 listing still answer JSON.
 """
 
@@ -148,16 +149,28 @@ def test_envelope_numbers_past_any_decimal_context_are_refused(store, repo, guid
         assert_reads_still_json(client, name, good)
 
 
-@pytest.mark.parametrize("cursor", [str(INT64_MAX + 1), "9999999999999999999"])
-def test_listing_cursor_past_int64_is_refused(store, repo, cursor):
+@pytest.mark.parametrize("cursor", [str(INT64_MAX + 1), "9999999999999999999", str(INT64_MAX), "1"])
+def test_a_bare_id_as_listing_cursor_is_refused(store, repo, cursor):
+    """Listing cursors are opaque (``core.cursors``): no number, in int64 or past it, is one."""
     name, token, good, _ = repo
     with store.client(token) as client:
         answer = client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"cursor": cursor})
         assert answer.status_code == 400, answer.text
         assert code(answer) == "BAD_REQUEST"
-        last = client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"cursor": str(INT64_MAX)})
+        # The int64 edge, sealed by the store itself: past every record, the last page is empty.
+        last = client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"cursor": sealed(store, name, INT64_MAX)})
         assert last.status_code == 200 and RecordPage.model_validate_json(last.content).records == []
         assert_reads_still_json(client, name, good)
+
+
+def sealed(store, name: str, position: int) -> str:
+    """The cursor the store would hand out for ``position`` in ``acme/<name>``'s listing."""
+    from cgstore.compiled_graphs.service import cursor_scope
+    from cgstore.repos.service import find_repo
+
+    with store.context.db.session() as session:
+        target = find_repo(session, "acme", name)
+        return store.context.cursors.seal(cursor_scope(target), position)
 
 
 @pytest.mark.parametrize("order", ["asc", "desc"])

@@ -193,7 +193,8 @@ class RecordPage(_Wire):
     """One page of a repo's records: at most ``limit`` records and ``MAX_PAGE_BYTES`` of JSON.
 
     ``next_cursor`` is None on the last page; a page may hold fewer records than
-    asked and still have a next one (the byte bound cut it).
+    asked and still have a next one (the byte bound cut it). It is opaque: pass
+    it back as ``cursor`` unchanged, to the same repo's listing.
     """
 
     records: list[Record]

@@ -24,6 +24,7 @@ from cgstore_client.wire.records import (
 
 from cgstore.compiled_graphs import service
 from cgstore.context import StoreContext, get_context
+from cgstore.core.cursors import CURSOR_LEN
 from cgstore.core.http import json_body, read_json
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
@@ -70,7 +71,7 @@ async def list_records(
     family: str | None = Query(None, max_length=100),
     sm: str | None = Query(None, max_length=128),
     lane: str | None = Query(None, max_length=64),
-    cursor: str | None = Query(None, max_length=40),
+    cursor: str | None = Query(None, max_length=CURSOR_LEN),
     limit: int = Query(DEFAULT_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:

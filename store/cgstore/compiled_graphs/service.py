@@ -59,9 +59,9 @@ from cgstore.blobs.service import held_blobs, hold_blobs
 from cgstore.compiled_graphs import admission, receipts
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
+from cgstore.core.cursors import CURSOR_LEN
 from cgstore.core.db import in_values, utcnow
 from cgstore.core.errors import (
-    BadRequest,
     BlobReferenceUnknown,
     Conflict,
     KeyConflict,
@@ -73,7 +73,6 @@ from cgstore.core.errors import (
     hidden_miss,
 )
 from cgstore.core.faults import crash_point
-from cgstore.core.http import MAX_ROW_ID, parse_row_id
 from cgstore.core.names import validate_owner, validate_repo
 from cgstore.core.private import private_dir
 from cgstore.owners.models import Owner
@@ -328,7 +327,9 @@ def get_record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: st
         live = None
         if is_key(key):
             live = session.scalar(_visible(_live(target.id, key), claims, target).limit(1))
-            if live is None and session.scalar(_live(target.id, key).limit(1)) is not None:
+            # Only an id: a hidden miss loads no more than an absent one, so it takes no longer.
+            any_live_id = _live(target.id, key).with_only_columns(CompiledGraph.id).limit(1)
+            if live is None and session.scalar(any_live_id) is not None:
                 # Another principal's record in a private cache: the absent miss, audited as a denial.
                 raise hidden_miss(NameUnknown, "no such compiled graph", key=key[:120])
         if live is None:
@@ -341,17 +342,18 @@ def list_records(
     ctx: StoreContext, claims: Claims, owner: str, repo: str, *,
     family: str | None, sm: str | None, lane: str | None, cursor: str | None, limit: int,
 ) -> RecordPage:
-    """Live records of a repo, oldest first, keyset-paginated by id (``cursor`` is the last id seen).
+    """Live records of a repo, oldest first, keyset-paginated by id; ``cursor`` is opaque (``core.cursors``).
 
     A page ends at ``limit`` records or before its JSON would pass
     ``MAX_PAGE_BYTES``, whichever comes first. Rows are read ``_LIST_BATCH`` at a
     time, so a large ``limit`` over large records never holds more than the page
     and one batch.
     """
-    after = _parse_cursor(cursor)
     limit = min(limit, MAX_LIST_LIMIT)
     with ctx.db.session() as session:
         target = _readable(session, ctx, claims, owner, repo, None)
+        scope = cursor_scope(target)
+        after = ctx.cursors.open(scope, cursor) if cursor else 0
         query = select(CompiledGraph).where(
             CompiledGraph.repo_id == target.id, CompiledGraph.yanked_at.is_(None), CompiledGraph.id > after
         )
@@ -361,23 +363,26 @@ def list_records(
         # limit + 1: the extra row only tells whether a next page exists.
         query = _visible(query, claims, target).order_by(CompiledGraph.id).limit(limit + 1)
         batches = session.scalars(query, execution_options={"yield_per": _LIST_BATCH}).partitions()
-        return _fill_page(session, target, batches, limit)
+        return _fill_page(session, target, batches, limit, lambda last: ctx.cursors.seal(scope, last))
 
 
 #: Rows read per round trip while a listing page fills.
 _LIST_BATCH = 32
-#: The JSON of a page around its records, with the longest cursor: a page's size is this plus each record and a comma.
-_PAGE_FRAME_BYTES = len(RecordPage(records=[], next_cursor=str(MAX_ROW_ID)).model_dump_json())
+#: The JSON of a page around its records, with a cursor (all have one length): a page's size is this
+#: plus each record and a comma.
+_PAGE_FRAME_BYTES = len(RecordPage(records=[], next_cursor="c" * CURSOR_LEN).model_dump_json())
 
 
-def _fill_page(session: Session, target: Repo, batches: Iterable[list[CompiledGraph]], limit: int) -> RecordPage:
+def _fill_page(
+    session: Session, target: Repo, batches: Iterable[list[CompiledGraph]], limit: int, seal: Callable[[int], str]
+) -> RecordPage:
     """The first records that fit ``limit`` and ``MAX_PAGE_BYTES`` (at least one); the cursor past them."""
     records: list[Record] = []
     size, last_id = _PAGE_FRAME_BYTES, 0
     for row_id, record in _records_of(session, target, batches):
         size += len(to_json(record)) + 1
         if len(records) == limit or (records and size > MAX_PAGE_BYTES):
-            return RecordPage(records=records, next_cursor=str(last_id))
+            return RecordPage(records=records, next_cursor=seal(last_id))
         records.append(record)
         last_id = row_id
     return RecordPage(records=records, next_cursor=None)
@@ -393,13 +398,9 @@ def _records_of(
             yield row.id, to_record(target, row, components.get(row.id, []))
 
 
-def _parse_cursor(cursor: str | None) -> int:
-    if cursor is None or cursor == "":
-        return 0
-    after = parse_row_id(cursor)
-    if after is None:
-        raise BadRequest("cursor is the next_cursor of a previous page", cursor=cursor[:40])
-    return after
+def cursor_scope(target: Repo) -> str:
+    """What a listing cursor is sealed to: this repo's records (a repo made again has a new id)."""
+    return f"compiled-graphs:{target.id}"
 
 
 def _components_of(session: Session, record_ids: list[int]) -> dict[int, list[CompiledGraphComponent]]:

@@ -31,8 +31,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from filelock import FileLock
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -145,6 +146,14 @@ class KeyRing:
         return self._public_key(row)
 
     # -- the ring's life ----------------------------------------------------------------
+
+    def derive(self, purpose: str) -> bytes:
+        """A 256-bit key for ``purpose`` (HKDF-SHA256 of the bootstrap key): the same on every replica
+        sharing ``CGSTORE_TOKEN_SIGNING_KEY``, unrelated to any other purpose's, revealing nothing of the key."""
+        raw = self._private[self.bootstrap_kid].private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
+        return HKDF(hashes.SHA256(), length=32, salt=None, info=f"cgstore/{purpose}".encode()).derive(raw)
 
     def rotate(self, session: Session) -> str:
         """Add a new key (it signs from now on); the old ones keep verifying. Returns its kid."""

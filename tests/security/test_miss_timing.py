@@ -1,0 +1,113 @@
+"""A hidden miss takes as long as an absent one: another tenant's private record or blob is not told apart by time.
+
+In a ``principal`` repo bob's read of alice's record (or HEAD of alice's blob)
+answers the same 404 as a read of something absent (``test_private_caches``).
+Before, it also answered ~2 ms later: the hidden miss wrote its denial row
+inline, so in 88–93 % of interleaved pairs the hidden read was the slower one.
+
+A sign test over ``PAIRS`` interleaved pairs (hidden, absent), in alternating
+order, over one keep-alive connection: the fraction of pairs in which the
+hidden read is the slower must be what chance gives, within ``FAIR``. The
+machine's other load only adds noise, which pulls the fraction towards 0.5;
+the control (absent against absent) checks the measurement itself. Every
+hidden read is still audited. Both configurations (``store``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.compiled_graphs.support import CONSTANTS_A, publication, publish, safetensors_bytes
+from tests.support.archives import archive_report
+from tests.support.audit import audited
+from tests.support.live_store import unique_repo
+from tests.security.test_private_caches import jti_of
+
+PAIRS = 240
+WARM_UP = 10
+#: Chance gives 0.5 ± 0.032 (one standard deviation for 240 pairs): the bounds are ±3.75 of those.
+FAIR = (0.38, 0.62)
+
+
+@pytest.fixture
+def cache(store, pt2_archive):
+    """A ``principal`` repo where alice published one record; bob may read it (and sees none of alice's)."""
+    name = unique_repo("timing")
+    manager = store.mint("ops", f"acme/{name}:admin")
+    with store.client(manager) as client:
+        assert client.put(f"/v1/repos/acme/{name}", json={"visibility": "principal"}).status_code == 201
+    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)})
+    with store.client(store.mint("alice", f"acme/{name}:read,write")) as client:
+        assert publish(client, "acme", name, pub).status_code == 201
+    return {"name": name, "pub": pub, "bob": store.mint("bob", f"acme/{name}:read")}
+
+
+def other_key(key: str, position: int) -> str:
+    """A valid key of the same shape that nobody published: ``key`` with one hex digit changed."""
+    digit = "0" if key[position] != "0" else "1"
+    return key[:position] + digit + key[position:][1:]
+
+
+def absent_digest() -> str:
+    return "blake3:" + uuid.uuid4().hex * 2
+
+
+def elapsed(client: httpx.Client, method: str, path: str) -> float:
+    start = time.perf_counter()
+    answer = client.request(method, path)
+    took = time.perf_counter() - start
+    assert answer.status_code == 404, answer.text
+    return took
+
+
+def slower_fraction(client: httpx.Client, method: str, first: str, second: str) -> float:
+    """The fraction of ``PAIRS`` interleaved pairs in which ``first`` answered slower than ``second``.
+
+    The pair's first send alternates, so whatever a send leaves behind for the
+    next one (a background write, a warm cache) weighs on both sides alike.
+    """
+    for _ in range(WARM_UP):
+        elapsed(client, method, first)
+        elapsed(client, method, second)
+    slower = 0
+    for pair in range(PAIRS):
+        if pair % 2 == 0:
+            a, b = elapsed(client, method, first), elapsed(client, method, second)
+        else:
+            b, a = elapsed(client, method, second), elapsed(client, method, first)
+        slower += a > b
+    return slower / PAIRS
+
+
+def reads(cache) -> dict[str, tuple[str, str, str, str]]:
+    """Per read: its method, alice's (hidden from bob), an absent one, and another absent one."""
+    name, pub = cache["name"], cache["pub"]
+    blobs = f"/v1/repos/acme/{name}/blobs"
+    records = f"/v1/repos/acme/{name}/compiled-graphs"
+    return {
+        "record get": ("GET", pub.path("acme", name), f"{records}/{other_key(pub.key, -1)}",
+                       f"{records}/{other_key(pub.key, -2)}"),
+        "blob head": ("HEAD", f"{blobs}/{pub.artifact.digest}", f"{blobs}/{absent_digest()}",
+                      f"{blobs}/{absent_digest()}"),
+    }
+
+
+@pytest.mark.parametrize("what", ["record get", "blob head"])
+def test_a_hidden_miss_takes_as_long_as_an_absent_one(store, cache, what):
+    method, hidden, absent, other_absent = reads(cache)[what]
+    started = time.monotonic()
+    with store.client(cache["bob"]) as client:
+        control = slower_fraction(client, method, other_absent, absent)
+        leak = slower_fraction(client, method, hidden, absent)
+    print(f"{store.configuration} {what}: hidden slower in {leak:.0%} of pairs (control {control:.0%}) in {time.monotonic() - started:.1f} s")
+    assert FAIR[0] <= control <= FAIR[1], f"the measurement itself is unfair: control {control:.0%}"
+    assert FAIR[0] <= leak <= FAIR[1], f"a hidden {what} answered slower than an absent one in {leak:.0%} of pairs"
+    # Off the request path, still every one: a row per hidden read (the test flushes the log).
+    target = cache["pub"].key if what == "record get" else cache["pub"].artifact.digest
+    outcome = "NAME_UNKNOWN" if what == "record get" else "BLOB_UNKNOWN"
+    rows = audited(store, outcome, target=target, jti=jti_of(cache["bob"]))
+    assert sum(row.count for row in rows) == PAIRS + WARM_UP
