@@ -96,10 +96,12 @@ OPENAPI_LINKS: dict[tuple[str, str, tuple[str, ...]], list[tuple[str, str, dict[
         for method in ("patch", "get", "put", "delete")
     ],
     ("put", _REPO + "/uploads/{session_id}", ("201",)): [
-        (method, _REPO + "/blobs/{digest}", {**_SAME_REPO, "digest": "$request.query.digest"}) for method in ("head", "get")
+        (method, _REPO + "/blobs/{digest}", {**_SAME_REPO, "digest": "$request.query.digest"})
+        for method in ("head", "get")
     ],
     ("put", _REPO + "/blobs/{digest}", ("201",)): [
-        (method, _REPO + "/blobs/{digest}", {**_SAME_REPO, "digest": "$request.path.digest"}) for method in ("head", "get")
+        (method, _REPO + "/blobs/{digest}", {**_SAME_REPO, "digest": "$request.path.digest"})
+        for method in ("head", "get")
     ],
     ("put", _REPO + "/compiled-graphs/{key}", ("200", "201")): [
         (method, _REPO + path, {**_SAME_REPO, "key": "$request.path.key"})
@@ -117,11 +119,8 @@ def install_links(app: FastAPI) -> None:
         schema = build()
         paths = schema["paths"]
         for (method, path, statuses), consumers in OPENAPI_LINKS.items():
-            links = {
-                paths[target][verb]["operationId"]: {"operationId": paths[target][verb]["operationId"],
-                                                     "parameters": parameters}
-                for verb, target, parameters in consumers
-            }
+            targets = [(paths[target][verb]["operationId"], parameters) for verb, target, parameters in consumers]
+            links = {name: {"operationId": name, "parameters": parameters} for name, parameters in targets}
             for status in statuses:
                 paths[path][method]["responses"][status]["links"] = links
         return schema
