@@ -88,6 +88,55 @@ async def _flush_denials(ctx: StoreContext) -> None:
         log.exception("could not write %d pending denials to the audit log", ctx.denials.pending)
 
 
+_REPO = "/v1/repos/{owner}/{repo}"
+_SAME_REPO = {"owner": "$request.path.owner", "repo": "$request.path.repo"}
+#: OpenAPI links: which answer feeds which next call, as a client chains them (and as
+#: schemathesis' stateful fuzzing follows them, so a created thing is then used).
+#: (producer method, path, its statuses) -> [(consumer method, path, its parameters)].
+OPENAPI_LINKS: dict[tuple[str, str, tuple[str, ...]], list[tuple[str, str, dict[str, str]]]] = {
+    ("post", "/v1/owners", ("201",)): [("put", _REPO, {"owner": "$response.body#/slug"})],
+    ("put", _REPO, ("200", "201")): [
+        (method, _REPO + path, {"owner": "$response.body#/owner", "repo": "$response.body#/name"})
+        for method, path in (("post", "/uploads"), ("get", "/compiled-graphs"), ("post", "/preflight"),
+                             ("post", "/blobs:missing"), ("put", "/compiled-graphs/{key}"))
+    ],
+    ("post", _REPO + "/uploads", ("202",)): [
+        (method, _REPO + "/uploads/{session_id}", {**_SAME_REPO, "session_id": "$response.header.Upload-Id"})
+        for method in ("patch", "get", "put", "delete")
+    ],
+    ("put", _REPO + "/uploads/{session_id}", ("201",)): [
+        (method, _REPO + "/blobs/{digest}", {**_SAME_REPO, "digest": "$request.query.digest"})
+        for method in ("head", "get")
+    ],
+    ("put", _REPO + "/blobs/{digest}", ("201",)): [
+        (method, _REPO + "/blobs/{digest}", {**_SAME_REPO, "digest": "$request.path.digest"})
+        for method in ("head", "get")
+    ],
+    ("put", _REPO + "/compiled-graphs/{key}", ("200", "201")): [
+        (method, _REPO + path, {**_SAME_REPO, "key": "$request.path.key"})
+        for method, path in (("get", "/compiled-graphs/{key}"), ("post", "/compiled-graphs/{key}:yank"))
+    ],
+    ("post", "/v1/tokens", ("201",)): [("delete", "/v1/tokens/{jti}", {"jti": "$response.body#/jti"})],
+}
+
+
+def install_links(app: FastAPI) -> None:
+    """Add ``OPENAPI_LINKS`` to the served schema (a renamed route fails here, at the first build)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        schema = build()
+        paths = schema["paths"]
+        for (method, path, statuses), consumers in OPENAPI_LINKS.items():
+            targets = [(paths[target][verb]["operationId"], parameters) for verb, target, parameters in consumers]
+            links = {name: {"operationId": name, "parameters": parameters} for name, parameters in targets}
+            for status in statuses:
+                paths[path][method]["responses"][status]["links"] = links
+        return schema
+
+    app.openapi = openapi
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     ctx = build_context(settings)
@@ -126,4 +175,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                    compiled_graphs_router, compiled_graphs_resolve_router, admin_router):
         app.include_router(router)
     install_request_schemas(app)
+    install_links(app)
     return app

@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from cgstore.blobs import service
 from cgstore.blobs.schemas import MissingAnswer, MissingQuery
 from cgstore.context import StoreContext, get_context
-from cgstore.core.http import NO_BODY, declared_length, feed_body, parse_content_range, parse_range, read_json
+from cgstore.core.http import NO_BODY, declared_length, feed_body, json_body, parse_content_range, parse_range, read_json
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 
@@ -70,7 +70,7 @@ async def get_blob(
     )
 
 
-@router.post("/blobs:missing", response_model=MissingAnswer)
+@router.post("/blobs:missing", response_model=MissingAnswer, openapi_extra=json_body(MissingQuery))
 async def missing_blobs(
     owner: str, repo: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),

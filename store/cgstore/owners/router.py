@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from cgstore.context import StoreContext, get_context
-from cgstore.core.http import read_json
+from cgstore.core.http import json_body, read_json
 from cgstore.owners import service
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
@@ -15,7 +15,7 @@ from cgstore.tokens.dependencies import require_claims
 router = APIRouter(prefix="/v1/owners", tags=["owners"])
 
 
-@router.post("", status_code=201, response_model=OwnerInfo)
+@router.post("", status_code=201, response_model=OwnerInfo, openapi_extra=json_body(OwnerClaim))
 async def claim_owner(
     request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
 ) -> OwnerInfo:

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from cgstore.context import StoreContext, get_context
-from cgstore.core.http import read_json
+from cgstore.core.http import json_body, read_json
 from cgstore.repos import service
 from cgstore.tokens.claims import MAX_TTL_S, Claims
 from cgstore.tokens.dependencies import require_claims
@@ -23,7 +23,11 @@ router = APIRouter(prefix="/v1/repos/{owner}/{repo}", tags=["repos"])
 DEFAULT_MIN_TTL_S = 300
 
 
-@router.put("", response_model=RepoInfo)
+@router.put(
+    "", response_model=RepoInfo,
+    responses={201: {"model": RepoInfo, "description": "the repo was created"}},
+    openapi_extra=json_body(RepoSettings),
+)
 async def configure_repo(
     owner: str, repo: str, request: Request, response: Response,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),

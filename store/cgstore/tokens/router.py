@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cgstore.access import is_admin
 from cgstore.context import StoreContext, get_context
-from cgstore.core.http import read_json
+from cgstore.core.http import json_body, read_json
 from cgstore.tokens import service
 from cgstore.tokens.claims import MAX_JTI_LEN, MAX_SUB_LEN, Claims
 from cgstore.tokens.dependencies import require_claims
@@ -34,7 +34,7 @@ from cgstore.tokens.dependencies import require_claims
 router = APIRouter(prefix="/v1", tags=["tokens"])
 
 
-@router.post("/tokens", status_code=201, response_model=MintResponse)
+@router.post("/tokens", status_code=201, response_model=MintResponse, openapi_extra=json_body(MintRequest))
 async def mint_token(
     request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
 ) -> MintResponse:
@@ -47,7 +47,9 @@ async def mint_token(
     return MintResponse(token=minted.token, jti=minted.jti, exp=minted.exp)
 
 
-@router.post("/tokens/attenuate", status_code=201, response_model=MintResponse)
+@router.post(
+    "/tokens/attenuate", status_code=201, response_model=MintResponse, openapi_extra=json_body(AttenuateRequest)
+)
 async def attenuate_token(
     request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
 ) -> MintResponse:
