@@ -312,6 +312,24 @@ def test_size_limit_is_too_large(make_storage_case):
     assert_stored_once(case, data[:600])
 
 
+def test_a_stage_writer_counts_the_offset_against_the_limit_before_any_byte(make_storage_case):
+    """A chunk under the limit alone but over it with its offset: refused up front when
+    declared, and at its first byte over the limit when not; either way nothing more is staged."""
+    case = make_storage_case(max_blob_bytes=1000)
+    data = os.urandom(1000)
+    staged = stage(case.storage, [data[:600]])
+    with pytest.raises(TooLarge):
+        case.storage.stage_writer(staged, 401)  # 401 <= 1000, 600 + 401 > 1000
+    writer = case.storage.stage_writer(staged, None)
+    with pytest.raises(TooLarge):
+        writer.write(data[600:] + b"!")
+    with case.storage.stage_writer(staged, 400) as writer:  # exactly up to the limit
+        writer.write(data[600:])
+        staged = writer.finish()
+    assert case.storage.stage_commit(staged, blake3_digest(data)) == 1000
+    assert_stored_once(case, data)
+
+
 # -- staged uploads ---------------------------------------------------------------------------
 
 def test_staged_upload_over_several_appends(storage_case, big_data):
