@@ -381,6 +381,17 @@ def test_racing_append_at_the_same_offset_cannot_disturb_the_recorded_one(storag
     assert_stored_once(storage_case, data)  # the loser's bytes are reclaimed too
 
 
+def test_a_losing_racer_as_the_last_append_before_commit_leaves_no_dead_tail(storage_case):
+    """The loser's bytes follow the winner's and nothing was appended since: on the directory
+    backend the commit is in place (live extents contiguous from 0), so it must cut them."""
+    head = stage(storage_case.storage, [b"head"])
+    winner = storage_case.storage.stage_append(head, iter([b"W" * 1000]))
+    storage_case.storage.stage_append(head, iter([b"L" * 1500]))  # lost the compare-and-set, never discarded
+    data = b"head" + b"W" * 1000
+    assert storage_case.storage.stage_commit(winner, blake3_digest(data)) == len(data)
+    assert_stored_once(storage_case, data)
+
+
 def simulate_crashed_append(case: StorageCase, staged: StagedUpload, garbage: bytes) -> None:
     """What a process killed mid-append leaves: bytes the session never recorded."""
     if case.kind == "fs":
