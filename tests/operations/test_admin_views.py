@@ -140,7 +140,7 @@ def test_yanked_records_leave_every_live_count(store, scene, pt2_archive, pt2_re
     unbound = solo.artifact.size + sum(p.components["consts"].size for p in yanked)
     assert after.storage.referenced_bytes == before.storage.referenced_bytes - unbound
     assert after.storage.stored_bytes == before.storage.stored_bytes  # yanking deletes nothing
-    assert pubs[2].key not in {u.key for u in after.unhealthy}
+    assert (scene["repo"], pubs[2].key) not in {(u.repo, u.key) for u in after.unhealthy}
 
 
 def test_stats_is_admin_only(store):
