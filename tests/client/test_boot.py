@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import jwt
@@ -20,7 +23,7 @@ from cgstore_client.mint import derived_constants_path
 
 from cgstore.storage.fs import FileStorage
 from tests.client.test_client_blobs import blob_gets, cache_files
-from tests.support.live_store import unique_repo
+from tests.support.live_store import CONFIGURATIONS, unique_repo
 from tests.support.services import free_port
 
 pytestmark = pytest.mark.torch
@@ -263,3 +266,60 @@ def test_a_receipt_signed_by_a_key_rotated_in_since_the_jwks_was_fetched_verifie
     assert rotated not in before
     assert isinstance(loaded, Loaded), loaded
     assert jwt.get_unverified_header(loaded.receipt)["kid"] == rotated
+
+
+def jwks_gets(live) -> int:
+    """``GET /v1/keys`` the store has answered since it started."""
+    pattern = r'cgstore_requests_total\{method="GET",route="/v1/keys",status="200"\} (\S+)'
+    return int(sum(float(n) for n in re.findall(pattern, live.scrape_metrics())))
+
+
+def unseen_bytes(archive: Path, directory: Path) -> Path:
+    """The same graph under bytes no test stored yet (a zip comment, other constant values).
+
+    A production extra store shares the session's database but not its bucket:
+    bytes the database already knows would be linked, not written to it.
+    """
+    import torch
+    from safetensors import safe_open
+
+    from cgstore_client.loader import save_tensors
+
+    directory.mkdir()
+    copy = directory / "model.pt2"
+    shutil.copy(archive, copy)
+    with zipfile.ZipFile(copy, "a") as zf:
+        zf.comment = os.urandom(16).hex().encode()
+    with safe_open(derived_constants_path(archive), framework="pt") as f:
+        save_tensors({name: f.get_tensor(name) + torch.rand(()) for name in f.keys()}, derived_constants_path(copy))
+    return copy
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS)
+def test_a_receipt_whose_key_is_still_unknown_after_one_refetch_is_not_served(make_store, configuration, minted, tmp_path):
+    """The record's receipt was signed by a key since retired: the JWKS never lists it again.
+
+    The client fetches the JWKS, refetches it once, then serves eager (and
+    refuses a mandatory want), whatever the record says.
+    """
+    live = make_store(configuration)
+    repo = f"acme/{unique_repo()}"
+    key = derived_key(minted)
+    with Client(live.base_url, live.mint("mint-child", f"{repo}:read,write"), cache_dir=tmp_path / "mint") as client:
+        publish(client, repo, unseen_bytes(minted, tmp_path / "unseen"))
+        (loaded,) = client.load(FAMILY, [key])
+    signer = jwt.get_unverified_header(loaded.receipt)["kid"]
+    with live.context.db.session() as session:
+        live.context.tokens.keys.rotate(session)  # what `cgstore keys rotate` then `retire` do
+    with live.context.db.session() as session:
+        assert live.context.tokens.keys.retire(session, signer)
+    reader = live.mint("worker", f"{repo}:read")  # signed by the new key
+    with Client(live.base_url, reader, cache_dir=tmp_path / "worker") as worker:
+        before = jwks_gets(live)
+        (served,) = worker.load(FAMILY, [key])
+        assert isinstance(served, Eager), served
+        assert served.reason.startswith("receipt invalid") and "unknown key" in served.reason
+        assert jwks_gets(live) == before + 2  # the fetch, and exactly one refetch
+        with pytest.raises(CompiledRequired, match="receipt invalid.*unknown key"):
+            worker.load(FAMILY, [Want(key, mandatory=True)])
+        assert jwks_gets(live) == before + 3  # one refetch again, no more

@@ -285,3 +285,48 @@ def test_retries_honour_retry_after_then_give_up(tmp_path):
             assert gave_up.value.retryable and gave_up.value.retry_after_s == 0 and len(seen) == 3 + FAST.attempts
     finally:
         server.shutdown()
+
+
+def test_a_resumed_download_whose_tail_differs_is_refused_and_nothing_is_cached(tmp_path):
+    """An origin (or a proxy in front of it) cuts the first answer mid-body, then answers the
+    ``Range`` request with other tail bytes: the whole stream must hash to the digest."""
+    import http.server
+    import threading
+
+    data = os.urandom(2 * 1024 * 1024)
+    digest, cut = digest_of(data), len(data) // 2
+    swapped = data[:cut] + bytes(b ^ 0xFF for b in data[cut:])
+    ranges: list[str | None] = []
+
+    class Origin(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            ranges.append(self.headers.get("Range"))
+            start = int(self.headers["Range"].removeprefix("bytes=").rstrip("-")) if self.headers.get("Range") else 0
+            self.send_response(206 if start else 200)
+            if start:
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.send_header("Content-Length", str(len(data) - start))
+            self.end_headers()
+            if start:
+                self.wfile.write(swapped[start:])
+            else:
+                self.wfile.write(data[:cut])  # then the connection drops
+                self.close_connection = True
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Origin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for size in (len(data), None):
+            ranges.clear()
+            with Client(f"http://127.0.0.1:{server.server_port}", "t", cache_dir=tmp_path, retry=FAST) as client:
+                with pytest.raises(IntegrityError):
+                    client.fetch_blob("acme/m", digest, size)
+            assert ranges == [None, f"bytes={cut}-"]  # it did resume, from where the cut left it
+            assert [f for f in cache_files(tmp_path) if f.startswith(("blobs/", "tmp/"))] == []
+    finally:
+        server.shutdown()

@@ -8,7 +8,9 @@ byte counts as deltas, and the newest audit entries (tests run one at a time).
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
+import zipfile
 
 import pytest
 from cgstore_client.wire.admin import AdminStats, RecordSummary
@@ -100,6 +102,45 @@ def test_stats_endpoint_counts_records_bytes_publishers_conflicts_denials_and_un
     assert any(d.outcome == "DENIED" and d.actor.startswith("outsider-") for d in stats.recent_denials)
     unhealthy = stats.unhealthy[0]
     assert (unhealthy.repo, unhealthy.key, unhealthy.health) == (scene["repo"], pubs[2].key, "blob_missing")
+
+
+def _unique_archive(archive, directory):
+    """The same archive under other bytes (a zip comment): an artifact no other record binds."""
+    copy = directory / "unique.pt2"
+    shutil.copy(archive, copy)
+    with zipfile.ZipFile(copy, "a") as zf:
+        zf.comment = uuid.uuid4().hex.encode()
+    return copy
+
+
+def test_yanked_records_leave_every_live_count(store, scene, pt2_archive, pt2_report, tmp_path):
+    """Yanked records are history: not in the counts, the publishers, the bytes nor ``unhealthy``."""
+    pubs, sm, lane = scene["pubs"], scene["pubs"][0].manifest["axes"]["sm"], scene["pubs"][0].manifest["lane"]
+    owner, name = scene["repo"].split("/")
+    solo = publication(_unique_archive(pt2_archive, tmp_path), pt2_report, components={"consts": _component()},
+                       family=f"fam-{uuid.uuid4().hex[:8]}", envelope={"shapes": [[32, 32]], "text_len": 77})
+    with store.client(store.mint(scene["publisher"], f"{scene['repo']}:read,write")) as client:
+        assert publish(client, owner, name, solo).status_code == 201
+    before = _stats(store)
+    yanked = [pubs[2], solo]  # each alone in its family; pubs[2] the damaged one, solo's archive its own
+    with store.client(store.mint("stats-admin", "*/*:admin")) as client:
+        for pub in yanked:
+            answer = client.post(f"{pub.path(owner, name)}:yank", json={"reason": "bad numerics"})
+            assert answer.status_code == 200, answer.text
+    after = _stats(store)
+    counts = {(c.family, c.sm, c.lane): c.records for c in after.records}
+    assert not {(scene["families"][1], sm, lane), (solo.manifest["family"], sm, lane)} & set(counts)
+    assert counts[(scene["families"][0], sm, lane)] == 2
+    assert after.live_records == before.live_records - 2 == sum(counts.values())
+    top = {p.publisher: p.records for p in after.top_publishers}
+    assert top.get(scene["publisher"]) == 2 or (len(top) == 10 and min(top.values()) >= 2)
+    gone = sum(p.artifact.size + p.components["consts"].size for p in yanked)
+    assert after.storage.logical_bytes == before.storage.logical_bytes - gone
+    # Their components and solo's archive are bound by no live record any more; the shared archive still is.
+    unbound = solo.artifact.size + sum(p.components["consts"].size for p in yanked)
+    assert after.storage.referenced_bytes == before.storage.referenced_bytes - unbound
+    assert after.storage.stored_bytes == before.storage.stored_bytes  # yanking deletes nothing
+    assert (scene["repo"], pubs[2].key) not in {(u.repo, u.key) for u in after.unhealthy}
 
 
 def test_stats_is_admin_only(store):

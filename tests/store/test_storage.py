@@ -316,6 +316,24 @@ def test_size_limit_is_too_large(make_storage_case):
     assert_stored_once(case, data[:600])
 
 
+def test_a_stage_writer_counts_the_offset_against_the_limit_before_any_byte(make_storage_case):
+    """A chunk under the limit alone but over it with its offset: refused up front when
+    declared, and at its first byte over the limit when not; either way nothing more is staged."""
+    case = make_storage_case(max_blob_bytes=1000)
+    data = os.urandom(1000)
+    staged = stage(case.storage, [data[:600]])
+    with pytest.raises(TooLarge):
+        case.storage.stage_writer(staged, 401)  # 401 <= 1000, 600 + 401 > 1000
+    writer = case.storage.stage_writer(staged, None)
+    with pytest.raises(TooLarge):
+        writer.write(data[600:] + b"!")
+    with case.storage.stage_writer(staged, 400) as writer:  # exactly up to the limit
+        writer.write(data[600:])
+        staged = writer.finish()
+    assert case.storage.stage_commit(staged, blake3_digest(data)) == 1000
+    assert_stored_once(case, data)
+
+
 # -- staged uploads ---------------------------------------------------------------------------
 
 def test_staged_upload_over_several_appends(storage_case, big_data):
@@ -365,6 +383,17 @@ def test_racing_append_at_the_same_offset_cannot_disturb_the_recorded_one(storag
     data = b"head" + b"W" * 1000 + b"tail"
     assert storage_case.storage.stage_commit(final, blake3_digest(data)) == len(data)
     assert_stored_once(storage_case, data)  # the loser's bytes are reclaimed too
+
+
+def test_a_losing_racer_as_the_last_append_before_commit_leaves_no_dead_tail(storage_case):
+    """The loser's bytes follow the winner's and nothing was appended since: on the directory
+    backend the commit is in place (live extents contiguous from 0), so it must cut them."""
+    head = stage(storage_case.storage, [b"head"])
+    winner = storage_case.storage.stage_append(head, iter([b"W" * 1000]))
+    storage_case.storage.stage_append(head, iter([b"L" * 1500]))  # lost the compare-and-set, never discarded
+    data = b"head" + b"W" * 1000
+    assert storage_case.storage.stage_commit(winner, blake3_digest(data)) == len(data)
+    assert_stored_once(storage_case, data)
 
 
 def simulate_crashed_append(case: StorageCase, staged: StagedUpload, garbage: bytes) -> None:
