@@ -29,8 +29,10 @@ from tests.security.test_private_caches import jti_of
 
 PAIRS = 240
 WARM_UP = 10
-#: Chance gives 0.5 ± 0.032 (one standard deviation for 240 pairs): the bounds are ±3.75 of those.
-FAIR = (0.38, 0.62)
+#: Chance gives 0.5 ± 0.032 (one standard deviation for 240 pairs): the bounds are ±4.7 of those, so a
+#: fair store fails about once in 10⁵ runs even on a loaded machine (a run at load 12 measured 62.5 %),
+#: while the leak this test was written for measured 68–84 % (88–93 % at 80 pairs on a quiet one).
+FAIR = (0.35, 0.65)
 
 
 @pytest.fixture
