@@ -66,7 +66,7 @@ from cgstore_client.components import save_tensors
 from cgstore_client.loader import load_compiled
 from cgstore_client.mint import environment_sm, package_compiled_graph
 
-from _common import MiB, emit_result, log, production_stack, s3_get_unverified, s3_get_verified
+from _common import MiB, emit_result, log, median, production_stack, s3_get_unverified, s3_get_verified
 
 OWNER = "bench"
 FAMILY = "bench-family"
@@ -275,6 +275,8 @@ def main() -> None:
         "speedup_vs_compile": round(compile_s / store_s, 1),
         "cold_boot_ratio_vs_unverified": round(max(results["cold"]) / max(results["boto_raw"]), 3),
     }
+    log(f"median ratios: cold boot {median(results['cold']) / median(results['boto_down']):.3f},"
+        f" cold boot vs unverified {median(results['cold']) / median(results['boto_raw']):.3f}")
     log(f"{total / MiB:.0f} MiB per boot; total {time.perf_counter() - started:.0f}s,"
         f" load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     emit_result(figures)
