@@ -12,8 +12,8 @@ Ours:
   hashes it on the way in and writes it to S3 as a multipart upload);
 - download: ``Client.fetch_blob`` into a fresh cache, the verified download a
   worker runs: the store answers 307 to a presigned URL, the client follows it
-  (without the cap-token), hashes every byte into a temp file and renames it into
-  place only when the blake3 digest and size match.
+  (without the cap-token), hashes every byte into a temp file, fsyncs it and
+  renames it into place only when the blake3 digest and size match.
 
 Baselines (raw boto3, same bytes, different key, same moto_server):
 - upload: ``upload_file`` with the default ``TransferConfig``;
@@ -35,9 +35,10 @@ repetition number, the digest is recomputed untimed) because the store never
 rewrites a blob it already holds; the objects are deleted from moto after each
 repetition so its memory stays bounded. Each repetition is one upload pair and
 ``--download-reps`` download rounds of the three downloads (downloads are
-fast, so noisier); each round runs them forwards or backwards, alternately. Ratios are of the best throughput of each side
-(medians are printed too: on a shared machine other load only ever slows a
-run down); the server's RSS is sampled every 20 ms for the whole run.
+fast, so noisier); each round runs them forwards or backwards, alternately.
+Ratios are of the best throughput of each side (medians are printed too: on a
+shared machine other load only ever slows a run down); the server's RSS is
+sampled every 20 ms for the whole run.
 
 Last line: ``{"upload_ratio": …, "download_ratio": …, "server_peak_rss_mib": …, "download_ratio_vs_unverified": …}``.
 """
