@@ -143,6 +143,60 @@ def blake3_file(path: Path) -> str:
     return "blake3:" + hasher.hexdigest()
 
 
+# -- raw boto3 download baselines -----------------------------------------------------------
+
+def s3_get_unverified(s3, bucket: str, key: str, dest: Path) -> int:
+    """boto3 ``get_object`` streamed into ``dest``, checking nothing and syncing nothing.
+
+    The floor of a download: what the client's verified download costs on top of
+    it is verification and durability, not the client. Returns the bytes written.
+    """
+    body = s3.get_object(Bucket=bucket, Key=key)["Body"]
+    received = 0
+    with open(dest, "wb") as out:
+        for chunk in body.iter_chunks(MiB):
+            out.write(chunk)
+            received += len(chunk)
+    return received
+
+
+def s3_get_verified(s3, bucket: str, key: str, dest: Path, digest: str, size: int) -> None:
+    """boto3 doing by hand what the client's verified download does: the fair baseline.
+
+    ``get_object`` into a temp file in ``dest``'s directory, blake3 of the stream
+    while writing it (single-threaded, as the client hashes a stream), fsync, and
+    only on a digest and size match a rename into place and an fsync of the
+    directory so the rename is durable too. (The client also writes a small
+    stamp file per blob: its cache's bookkeeping, not part of this baseline.)
+    """
+    import blake3
+
+    temp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+    hasher = blake3.blake3()
+    received = 0
+    try:
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"]
+        with open(temp, "wb") as out:
+            for chunk in body.iter_chunks(MiB):
+                hasher.update(chunk)
+                out.write(chunk)
+                received += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        actual = "blake3:" + hasher.hexdigest()
+        if actual != digest or received != size:
+            raise SystemExit(f"verified baseline: {received} bytes hashing to {actual}, expected {digest} ({size} bytes)")
+        os.replace(temp, dest)
+        directory = os.open(dest.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+
+
 def read_chunks(path: Path, chunk_bytes: int = MiB) -> Iterator[bytes]:
     with open(path, "rb") as source:
         while chunk := source.read(chunk_bytes):

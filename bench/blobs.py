@@ -12,15 +12,20 @@ Ours:
   hashes it on the way in and writes it to S3 as a multipart upload);
 - download: ``Client.fetch_blob`` into a fresh cache, the verified download a
   worker runs: the store answers 307 to a presigned URL, the client follows it
-  (without the cap-token), hashes every byte into a temp file and renames it into
-  place only when the blake3 digest and size match.
+  (without the cap-token), hashes every byte into a temp file, fsyncs it and
+  renames it into place only when the blake3 digest and size match.
 
-Baseline (raw boto3, same bytes, different key, same moto_server):
+Baselines (raw boto3, same bytes, different key, same moto_server):
 - upload: ``upload_file`` with the default ``TransferConfig``;
-- download: ``get_object`` streamed into a file: the same single stream from
-  moto that our download reads, without a hash. (``download_fileobj``
-  is no fair baseline here: moto copies the whole object for every ranged GET,
-  so boto3's parallel ranged download crawls at ~15 MiB/s.)
+- download (``download_ratio``): ``get_object`` doing by hand the work our
+  download does (``s3_get_verified``): the same single stream from moto into a
+  temp file in the destination's directory, blake3 of the stream while
+  writing, fsync, rename on a digest and size match, fsync of the directory;
+- download (``download_ratio_vs_unverified``): ``get_object`` streamed into a
+  file with no hash and no fsync (``s3_get_unverified``): what verification
+  and durability cost, not what the client costs.
+(``download_fileobj`` is no fair baseline here: moto copies the whole object
+for every ranged GET, so boto3's parallel ranged download crawls at ~15 MiB/s.)
 Both boto3 and the store's S3 client send flexible checksums only when required
 (the store configures that; the baseline does the same so only the store's
 overhead is compared, not botocore's CRC trailers).
@@ -29,12 +34,13 @@ Each repetition uses fresh bytes (the first 16 bytes of the file carry the
 repetition number, the digest is recomputed untimed) because the store never
 rewrites a blob it already holds; the objects are deleted from moto after each
 repetition so its memory stays bounded. Each repetition is one upload pair and
-``--download-reps`` download pairs (downloads are fast, so noisier); ours and
-the baseline alternate order. Ratios are of the best throughput of each side
-(medians are printed too: on a shared machine other load only ever slows a
-run down); the server's RSS is sampled every 20 ms for the whole run.
+``--download-reps`` download rounds of the three downloads (downloads are
+fast, so noisier); each round runs them forwards or backwards, alternately.
+Ratios are of the best throughput of each side (medians are printed too: on a
+shared machine other load only ever slows a run down); the server's RSS is
+sampled every 20 ms for the whole run.
 
-Last line: ``{"upload_ratio": …, "download_ratio": …, "server_peak_rss_mib": …}``.
+Last line: ``{"upload_ratio": …, "download_ratio": …, "server_peak_rss_mib": …, "download_ratio_vs_unverified": …}``.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ from _common import (
     production_stack,
     read_chunks,
     rss_mib,
+    s3_get_unverified,
+    s3_get_verified,
     timed,
     write_random_file,
 )
@@ -72,7 +80,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024, help="blob size in MiB (default 1024)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement (default 3)")
-    parser.add_argument("--download-reps", type=int, default=3, help="download pairs per repetition (default 3)")
+    parser.add_argument("--download-reps", type=int, default=3,
+                        help="rounds of the three downloads per repetition (default 3)")
     return parser.parse_args()
 
 
@@ -101,15 +110,16 @@ def our_download(base_url: str, token: str, size: int, digest: str, cache: Path)
 
 def boto_download(s3, bucket: str, key: str, size: int, dest: Path) -> None:
     """Raw boto3 GET of the same bytes into a file: the same single stream from moto, no hash."""
-    body = s3.get_object(Bucket=bucket, Key=key)["Body"]
-    received = 0
-    with open(dest, "wb") as out:
-        for chunk in body.iter_chunks(MiB):
-            out.write(chunk)
-            received += len(chunk)
+    received = s3_get_unverified(s3, bucket, key, dest)
     dest.unlink()
     if received != size:
         raise SystemExit(f"baseline download short: {received} of {size}")
+
+
+def boto_verified_download(s3, bucket: str, key: str, size: int, digest: str, dest: Path) -> None:
+    """boto3 GET doing our download's work by hand: hashed, fsynced, renamed on a match."""
+    s3_get_verified(s3, bucket, key, dest, digest, size)
+    dest.unlink()
 
 
 def mib_per_s(size: int, seconds: float) -> float:
@@ -120,7 +130,8 @@ def main() -> None:
     args = parse_args()
     size = args.size_mib * MiB
     log(
-        f"blob size {args.size_mib} MiB, {args.reps} repetitions x (1 upload pair + {args.download_reps} download pairs),"
+        f"blob size {args.size_mib} MiB, {args.reps} repetitions x (1 upload pair + {args.download_reps} rounds of"
+        f" 3 downloads),"
         f" load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
     )
     started = time.perf_counter()
@@ -149,7 +160,9 @@ def main() -> None:
             idle_rss = rss_mib(server_pid)
             log(f"server idle RSS baseline: {idle_rss:.1f} MiB (pid {server_pid})")
 
-            results: dict[str, list[float]] = {"ours_up": [], "boto_up": [], "ours_down": [], "boto_down": []}
+            results: dict[str, list[float]] = {
+                "ours_up": [], "boto_up": [], "ours_down": [], "boto_down": [], "boto_raw": [],
+            }
             timeout = httpx.Timeout(300.0, connect=10.0)
             headers = {"Authorization": f"Bearer {token}"}
 
@@ -176,7 +189,9 @@ def main() -> None:
                     ]
                     downloads = [
                         ("ours_down", lambda: our_download(stack.base_url, token, size, digest, Path(scratch) / "cache")),
-                        ("boto_down", lambda: boto_download(s3, stack.bucket, boto_key, size, Path(scratch) / "boto.bin")),
+                        ("boto_down", lambda: boto_verified_download(
+                            s3, stack.bucket, boto_key, size, digest, Path(scratch) / "boto.bin")),
+                        ("boto_raw", lambda: boto_download(s3, stack.bucket, boto_key, size, Path(scratch) / "raw.bin")),
                     ]
                     for name, run in uploads if rep % 2 == 0 else reversed(uploads):
                         measure(rep, name, run)
@@ -194,7 +209,8 @@ def main() -> None:
                 )
             log(
                 f"median ratios: upload {median(results['ours_up']) / median(results['boto_up']):.3f},"
-                f" download {median(results['ours_down']) / median(results['boto_down']):.3f}"
+                f" download {median(results['ours_down']) / median(results['boto_down']):.3f},"
+                f" download vs unverified {median(results['ours_down']) / median(results['boto_raw']):.3f}"
             )
             log(f"server RSS: idle {idle_rss:.1f} MiB, peak {rss.peak_mib:.1f} MiB over {rss.samples} samples")
     log(f"total {time.perf_counter() - started:.0f}s, load average {os.getloadavg()[0]:.2f}")
@@ -204,6 +220,7 @@ def main() -> None:
             "upload_ratio": round(best["ours_up"] / best["boto_up"], 3),
             "download_ratio": round(best["ours_down"] / best["boto_down"], 3),
             "server_peak_rss_mib": round(rss.peak_mib, 1),
+            "download_ratio_vs_unverified": round(best["ours_down"] / best["boto_raw"], 3),
         }
     )
 

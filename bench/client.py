@@ -14,12 +14,18 @@ artifact size with an extra AOTI file (fresh random bytes per repetition, so
 every repetition uploads and downloads new blobs: the store never rewrites a
 blob it holds).
 
-Figures (each repetition alternates which side goes first, and cold boots run
-A B A B B A B A; ratios of the best; every timed run starts after ``os.sync()``):
+Figures (each repetition alternates which side goes first, and the three cold
+boots run A B C A B C C B A C B A; ratios of the best; every timed run starts
+after ``os.sync()``):
 - ``cold_boot_ratio``: ``client.load`` into an empty cache (one resolve, the
-  record, three verified downloads 4-wide: hashed, fsynced, renamed) vs raw
-  boto3 ``get_object`` of the same three objects to files, three threads.
+  record, three verified downloads 4-wide: hashed, fsynced, renamed) vs boto3
+  doing that work by hand (``s3_get_verified``: ``get_object`` of the same
+  three objects, three threads, each into a temp file beside its destination,
+  blake3 while writing, fsync, rename on a match, directory fsync).
   Throughput ratio, target >= 0.9.
+- ``cold_boot_ratio_vs_unverified``: the same cold boot vs raw boto3
+  ``get_object`` of the three objects to files, no hash, no fsync: the price
+  of verification and durability more than of the client.
 - ``warm_boot_ratio``: ``client.load`` with everything cached (resolve, cached
   record, verification stamps hold) vs one blake3 pass over the same bytes.
   Time ratio, target <= 1.2. (A warm boot whose stamps were broken re-hashes
@@ -33,7 +39,8 @@ A B A B B A B A; ratios of the best; every timed run starts after ``os.sync()``)
   call) / by ``client.load`` + ``load_compiled`` + call from the store with a
   cold cache. Target >= 10.
 
-Last line: ``{"cold_boot_ratio", "warm_boot_ratio", "publish_ratio", "speedup_vs_compile"}``.
+Last line: ``{"cold_boot_ratio", "warm_boot_ratio", "publish_ratio", "speedup_vs_compile",
+"cold_boot_ratio_vs_unverified"}``.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from cgstore_client.components import save_tensors
 from cgstore_client.loader import load_compiled
 from cgstore_client.mint import environment_sm, package_compiled_graph
 
-from _common import MiB, emit_result, log, production_stack
+from _common import MiB, emit_result, log, median, production_stack, s3_get_unverified, s3_get_verified
 
 OWNER = "bench"
 FAMILY = "bench-family"
@@ -182,7 +189,9 @@ def main() -> None:
             store_s = time.perf_counter() - begun
             log(f"store path to a first compiled call (load + bind + call, cold cache): {store_s:.2f}s")
 
-            results: dict[str, list[float]] = {k: [] for k in ("publish", "boto_up", "cold", "boto_down", "warm", "hash")}
+            results: dict[str, list[float]] = {
+                k: [] for k in ("publish", "boto_up", "cold", "boto_down", "boto_raw", "warm", "hash")
+            }
             for rep in range(args.reps):
                 repo = f"{OWNER}/big-{rep}"
                 # One key per repetition (its envelope differs): each resolves to its own fresh blobs.
@@ -192,7 +201,7 @@ def main() -> None:
                 components = fresh_components(side, scratch)
                 files = [scratch / "artifact.pt2", *components.values()]
                 total = sum(p.stat().st_size for p in files)
-                digests = [hash_file(p)[0] for p in files]
+                digests, sizes = zip(*(hash_file(p) for p in files))
 
                 def ours_publish() -> None:
                     threshold = None if args.chunked_threshold_mib is None else args.chunked_threshold_mib * MiB
@@ -218,20 +227,27 @@ def main() -> None:
                         (got,) = client.load(FAMILY, [Want(big_key, mandatory=True)])
                     assert got.artifact_path.stat().st_size == files[0].stat().st_size
 
+                def blob_key(digest: str) -> str:
+                    return f"blobs/{digest[7:9]}/{digest[7:]}"
+
                 def boto_cold() -> None:
-                    def get(digest: str, out: Path) -> None:
-                        body = s3.get_object(Bucket=stack.bucket, Key=f"blobs/{digest[7:9]}/{digest[7:]}")["Body"]
-                        with open(out, "wb") as fh:
-                            for chunk in body.iter_chunks(MiB):
-                                fh.write(chunk)
-                    in_parallel(*(lambda d=d, i=i: get(d, scratch / f"boto-{i}.bin") for i, d in enumerate(digests)))
+                    in_parallel(*(lambda d=d, i=i, n=n: s3_get_verified(s3, stack.bucket, blob_key(d),
+                                                                         boto_dir / f"boto-{i}.bin", d, n)
+                                  for i, (d, n) in enumerate(zip(digests, sizes))))
+
+                def boto_raw() -> None:
+                    in_parallel(*(lambda d=d, i=i: s3_get_unverified(s3, stack.bucket, blob_key(d),
+                                                                     scratch / f"raw-{i}.bin")
+                                  for i, d in enumerate(digests)))
 
                 # Each side downloads four times, twice in odd and twice in even positions
-                # (A B A B B A B A): on this VM downloads alternate between fast and up to 3x
-                # slower ones, whichever side runs (seen with boto3 alone, too).
-                pair = [("cold", ours_cold), ("boto_down", boto_cold)]
-                pair = pair if rep % 2 == 0 else pair[::-1]
-                for name, run in pair * 2 + pair[::-1] * 2:
+                # (A B C A B C C B A C B A): on this VM downloads alternate between fast and
+                # up to 3x slower ones, whichever side runs (seen with boto3 alone, too).
+                boto_dir = scratch / f"boto-{rep}"
+                boto_dir.mkdir()
+                sides = [("cold", ours_cold), ("boto_down", boto_cold), ("boto_raw", boto_raw)]
+                sides = sides if rep % 2 == 0 else sides[::-1]
+                for name, run in sides * 2 + sides[::-1] * 2:
                     results[name].append(total / MiB / timed(run))
 
                 def ours_warm() -> None:
@@ -243,20 +259,24 @@ def main() -> None:
                 results["hash"].append(timed(lambda: [hash_file(p) for p in cached]))
                 shutil.rmtree(cache / "stamps")
                 log(f"rep {rep} warm boot with broken stamps (re-hashes everything): {timed(ours_warm):.2f}s")
-                for key in [f"baseline/{p.name}" for p in files] + [f"blobs/{d[7:9]}/{d[7:]}" for d in digests]:
+                for key in [f"baseline/{p.name}" for p in files] + [blob_key(d) for d in digests]:
                     s3.delete_object(Bucket=stack.bucket, Key=key)
                 shutil.rmtree(cache)
+                shutil.rmtree(boto_dir)
                 for i in range(len(digests)):
-                    (scratch / f"boto-{i}.bin").unlink()
+                    (scratch / f"raw-{i}.bin").unlink()
                 log(f"rep {rep}: " + ", ".join(f"{k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in results.items()) +
-                    "  (MiB/s for publish/boto_up/cold/boto_down, seconds for warm/hash)")
+                    "  (MiB/s for publish/boto_up/cold/boto_down/boto_raw, seconds for warm/hash)")
 
     figures = {
         "cold_boot_ratio": round(max(results["cold"]) / max(results["boto_down"]), 3),
         "warm_boot_ratio": round(min(results["warm"]) / min(results["hash"]), 3),
         "publish_ratio": round(max(results["publish"]) / max(results["boto_up"]), 3),
         "speedup_vs_compile": round(compile_s / store_s, 1),
+        "cold_boot_ratio_vs_unverified": round(max(results["cold"]) / max(results["boto_raw"]), 3),
     }
+    log(f"median ratios: cold boot {median(results['cold']) / median(results['boto_down']):.3f},"
+        f" cold boot vs unverified {median(results['cold']) / median(results['boto_raw']):.3f}")
     log(f"{total / MiB:.0f} MiB per boot; total {time.perf_counter() - started:.0f}s,"
         f" load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     emit_result(figures)
