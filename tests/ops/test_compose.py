@@ -262,7 +262,10 @@ def mounts(service: dict) -> dict[str, str]:
 
 
 def declared_labels() -> dict[str, set[str]]:
-    """Family name -> label names, from the store's own metrics (unused labelled metrics export no samples)."""
+    """Family name -> label names, from the store's own metrics (unused labelled metrics export no samples).
+
+    ``_labelnames``: prometheus_client has no public accessor for a collector's declared labels.
+    """
     metrics = Metrics()
     collectors = [value for value in vars(metrics).values() if isinstance(value, MetricWrapperBase)]
     return {
@@ -380,7 +383,8 @@ def test_the_dashboard_is_a_grafana_dashboard(dashboard):
         assert len(ref_ids) == len(set(ref_ids)) and all(target["expr"] for target in panel["targets"])
 
 
-def test_the_metrics_profile_is_prometheus_and_grafana_pinned(services):
+def test_the_metrics_profile_is_prometheus_and_grafana(services):
+    """Pinned like every pulled image (test_every_pulled_image_is_pinned covers them too)."""
     assert set(profile_services(services)) == {"prometheus", "grafana"}
     assert services["prometheus"]["image"].startswith("prom/prometheus:v")
     assert services["grafana"]["image"].startswith("grafana/grafana:")
