@@ -5,7 +5,9 @@ and the image would use them: every ``CGSTORE_*`` variable must be a real
 setting (pydantic-settings silently ignores unknown ones, so a typo would
 never fail at run time), every command must parse as a ``cgstore`` CLI
 command, images must be pinned, health checks must probe what the next
-service needs (PostgreSQL over TCP), and the migration must retry.
+service needs (PostgreSQL over TCP), and the migration must retry. The ``metrics`` profile's Prometheus must scrape the
+store with its metrics token, and every series the Grafana dashboard queries
+must be one a running store exports, with the labels it has.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import time
 
 import pytest
 import yaml
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from cgstore.cli import app, parse_duration
 from cgstore.core import migrate
+from cgstore.core.metrics import Metrics
 from cgstore.settings import Settings, parse_s3_url
 from tests.support.services import REPO_ROOT, free_port
 
@@ -27,6 +32,10 @@ COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "store" / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 DEPLOY = REPO_ROOT / "docs" / "deploy.md"
+PROMETHEUS_CONFIG = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
+GRAFANA = REPO_ROOT / "deploy" / "grafana"
+DASHBOARD = GRAFANA / "cgstore.json"
+METRICS_PROFILE = "metrics"
 LOCAL_IMAGE = "cgstore:local"
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 
@@ -221,6 +230,201 @@ def test_the_deploy_page_and_compose_file_agree_on_how_to_start():
 
     from_docs, from_compose = up_commands(DEPLOY.read_text()), up_commands(COMPOSE_FILE.read_text())
     assert from_docs == from_compose == {"docker compose up -d --build"}
+
+
+# -- the metrics profile: Prometheus and Grafana ---------------------------------------------
+
+# A series name: the ``cgstore_`` prefix Prometheus identifiers carry, with digits and colons
+# too, so that a made-up name is caught whole rather than cut at a character the store never uses.
+_SERIES = re.compile(r"\bcgstore_[a-zA-Z0-9_:]+")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_MATCHERS = re.compile(r"\b(cgstore_[a-zA-Z0-9_:]+)\s*\{([^}]*)\}")
+_MATCHER_LABEL = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
+_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+# The series each family type exports, as Prometheus ingests the text format.
+# (The text format announces a counter's or histogram's ``_created`` as a gauge family of its own.)
+_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def profile_services(services: dict) -> dict[str, dict]:
+    return {name: svc for name, svc in services.items() if METRICS_PROFILE in svc.get("profiles", [])}
+
+
+def mounts(service: dict) -> dict[str, str]:
+    """Container path -> host path of the service's bind mounts, each required read-only."""
+    binds = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = volume.split(":")
+        if source.startswith("./"):
+            assert mode == ["ro"], f"{volume} is not mounted read-only"
+            binds[target] = source
+    return binds
+
+
+def declared_labels() -> dict[str, set[str]]:
+    """Family name -> label names, from the store's own metrics (unused labelled metrics export no samples).
+
+    ``_labelnames``: prometheus_client has no public accessor for a collector's declared labels.
+    """
+    metrics = Metrics()
+    collectors = [value for value in vars(metrics).values() if isinstance(value, MetricWrapperBase)]
+    return {
+        family.name: set(collector._labelnames)
+        for collector in collectors
+        for family in collector.describe()
+    }
+
+
+def exported_series(scrape: str) -> dict[str, set[str]]:
+    """Series name -> its label names, for every ``cgstore_`` family a scrape announces."""
+    labels = declared_labels()
+    series = {}
+    for family in text_string_to_metric_families(scrape):
+        if family.name.startswith("cgstore_"):
+            own = labels[family.name if family.name in labels else family.name.removesuffix("_created")]
+            for suffix in _SUFFIXES[family.type]:
+                series[family.name + suffix] = own | ({"le"} if suffix == "_bucket" else set())
+    return series
+
+
+def dashboard_exprs(dashboard: dict) -> list[str]:
+    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def query_problems(expr: str, exported: dict[str, set[str]]) -> list[str]:
+    """What in one PromQL expression names a series or label the store does not export."""
+    bare = _STRING.sub('""', expr)  # label values are not names
+    names = _SERIES.findall(bare)
+    problems = [f"{name} is not exported" for name in names if name not in exported]
+    if not names:
+        problems.append(f"{expr!r} queries no cgstore series")
+    known = [exported[name] for name in names if name in exported]
+    for name, matchers in _MATCHERS.findall(bare):
+        for label in _MATCHER_LABEL.findall(matchers):
+            if label not in exported.get(name, set()):
+                problems.append(f"{name} has no label {label}")
+    available = set().union(*known) if known else set()
+    for grouping in _GROUPING.findall(bare):
+        for label in filter(None, (part.strip() for part in grouping.split(","))):
+            if label not in available:
+                problems.append(f"{expr!r} groups by {label}, which none of its series has")
+    return problems
+
+
+def dashboard_problems(dashboard: dict, exported: dict[str, set[str]]) -> list[str]:
+    return [problem for expr in dashboard_exprs(dashboard) for problem in query_problems(expr, exported)]
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+@pytest.fixture
+def scraped(store) -> dict[str, set[str]]:
+    """The series a running store exports, after a request and a resolve gave its counters samples."""
+    with store.client() as client:
+        assert client.get("/healthz").status_code == 200
+    token = store.mint("dashboard-check", "acme/*:read")
+    with store.client(token) as client:
+        response = client.post("/v1/compiled-graphs:resolve", json={"family": "f", "keys": ["ck1-" + "0" * 56]})
+        assert response.status_code == 200, response.text
+    return exported_series(store.scrape_metrics())
+
+
+def test_the_dashboard_queries_only_series_the_store_exports(dashboard, scraped):
+    assert {"cgstore_requests_total", "cgstore_request_seconds_bucket", "cgstore_upload_sessions_open"} <= set(scraped)
+    assert dashboard_problems(dashboard, scraped) == []
+
+
+def test_the_dashboard_shows_every_family_the_store_exports(dashboard):
+    """A metric added to the store gets its panel."""
+    queried = {name for expr in dashboard_exprs(dashboard) for name in _SERIES.findall(_STRING.sub('""', expr))}
+    shown = {family for family in declared_labels() for name in queried if name.startswith(family + "_") or name == family}
+    assert set(declared_labels()) - shown == set()
+
+
+@pytest.mark.parametrize(
+    ("expr", "problem"),
+    [
+        ("sum(rate(cgstore_resolve_hits_total[5m]))", "cgstore_resolve_hits_total is not exported"),
+        ("histogram_quantile(0.99, rate(cgstore_request_seconds[5m]))", "cgstore_request_seconds is not exported"),
+        ("rate(cgstore_bytes_in[5m])", "cgstore_bytes_in is not exported"),
+        ("rate(cgstore_publish_total_count[5m])", "cgstore_publish_total_count is not exported"),
+        ("rate(cgstore_2requests_total[5m])", "cgstore_2requests_total is not exported"),
+        ('sum(rate(cgstore_publish_total{result="conflict"}[5m]))', "cgstore_publish_total has no label result"),
+        ("sum by (tenant) (rate(cgstore_resolve_answers_total[5m]))", "groups by tenant"),
+        ("sum by (le) (rate(cgstore_requests_total[5m]))", "groups by le"),
+        ("up", "queries no cgstore series"),
+    ],
+)
+def test_a_query_of_what_the_store_does_not_export_is_caught(expr, problem):
+    """The check above is not vacuous: made-up names, wrong suffixes and labels fail it."""
+    exported = exported_series(
+        "\n".join(f"# TYPE {name} {kind}" for name, kind in [
+            ("cgstore_requests_total", "counter"), ("cgstore_request_seconds", "histogram"),
+            ("cgstore_bytes_in_total", "counter"), ("cgstore_publish_total", "counter"),
+            ("cgstore_resolve_answers_total", "counter"),
+        ]) + "\n"
+    )
+    problems = query_problems(expr, exported)
+    assert any(problem in found for found in problems), problems
+
+
+def test_the_dashboard_is_a_grafana_dashboard(dashboard):
+    assert dashboard["uid"] and dashboard["title"] and isinstance(dashboard["schemaVersion"], int)
+    assert dashboard["panels"]
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        assert panel["title"] and panel["type"] and set(panel["gridPos"]) == {"h", "w", "x", "y"}, panel
+        assert panel["targets"], panel["title"]
+        ref_ids = [target["refId"] for target in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids)) and all(target["expr"] for target in panel["targets"])
+
+
+def test_the_metrics_profile_is_prometheus_and_grafana(services):
+    """Pinned like every pulled image (test_every_pulled_image_is_pinned covers them too)."""
+    assert set(profile_services(services)) == {"prometheus", "grafana"}
+    assert services["prometheus"]["image"].startswith("prom/prometheus:v")
+    assert services["grafana"]["image"].startswith("grafana/grafana:")
+    # The default `docker compose up -d --build` starts exactly what it did before.
+    assert [name for name, svc in services.items() if "profiles" in svc] == ["prometheus", "grafana"]
+
+
+def test_prometheus_scrapes_the_store_with_the_metrics_token(compose, services):
+    prometheus = services["prometheus"]
+    config_path = prometheus["command"][0].removeprefix("--config.file=")
+    assert mounts(prometheus)[config_path] == "./" + str(PROMETHEUS_CONFIG.relative_to(REPO_ROOT))
+    (job,) = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]
+    store_env = store_environment(services["store"])
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    assert job["static_configs"] == [{"targets": [f"store:{store_env['CGSTORE_PORT']}"]}]
+    # The bearer is the secret file compose fills from the variable the store gets.
+    assert job["authorization"]["type"] == "Bearer"
+    (secret,) = prometheus["secrets"]
+    assert job["authorization"]["credentials_file"] == f"/run/secrets/{secret}"
+    assert compose["secrets"][secret] == {"environment": "CGSTORE_METRICS_TOKEN"}
+    assert services["store"]["environment"]["CGSTORE_METRICS_TOKEN"] == "${CGSTORE_METRICS_TOKEN:-}"
+
+
+def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard(services, dashboard):
+    grafana = mounts(services["grafana"])
+    provisioning = "/etc/grafana/provisioning"
+    assert grafana[f"{provisioning}/datasources"] == "./deploy/grafana/provisioning/datasources"
+    assert grafana[f"{provisioning}/dashboards"] == "./deploy/grafana/provisioning/dashboards"
+    (datasource,) = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert datasource["type"] == "prometheus"
+    assert datasource["url"] == "http://prometheus:9090"
+    assert "--web.listen-address" not in " ".join(services["prometheus"]["command"])  # so 9090 is right
+    uids = {panel["datasource"]["uid"] for panel in dashboard["panels"]}
+    uids |= {target["datasource"]["uid"] for panel in dashboard["panels"] for target in panel["targets"]}
+    assert uids == {datasource["uid"]}
+    (provider,) = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "cgstore.yml").read_text())["providers"]
+    mounted_dashboard = {target: source for target, source in grafana.items() if source.endswith("cgstore.json")}
+    assert mounted_dashboard == {f"{provider['options']['path']}/cgstore.json": "./deploy/grafana/cgstore.json"}
 
 
 # -- the retry itself -------------------------------------------------------------------
