@@ -167,11 +167,14 @@ class _Source:
         self.url, self.token, self.size = url, token, size
         self.resolved: str | None = None
         self.renewed = False
+        self.ignored = False  # a part got other bytes than asked: the others need not ask
         self.lock = threading.Lock()
 
     def open(self, start: int, end: int) -> Stream:
         """A stream of bytes ``[start, end)``, exactly those, or :class:`_RangesIgnored`."""
         with self.lock:  # the first part asks the store; the others wait for where it leads
+            if self.ignored:
+                raise _RangesIgnored("the server ignores ranges")
             if self.resolved is None:
                 stream = open_stream(self.url, self.token, start=start, end=end)
                 self.resolved = stream.url
@@ -198,6 +201,7 @@ class _Source:
     def _checked(self, stream: Stream, start: int, end: int) -> Stream:
         _check_total(stream, self.size)
         if (stream.start, stream.end) != (start, end):
+            self.ignored = True
             stream.close()
             raise _RangesIgnored(f"asked for bytes {start}-{end - 1}, got {stream.start}-{stream.end}")
         return stream
