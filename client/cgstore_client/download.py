@@ -303,6 +303,8 @@ class _Parallel:
                 time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
 
     def _attempt(self, part: _Part, buffer: memoryview) -> None:
+        if self.error is not None:
+            return  # the download failed while this part waited for a connection
         stream = self.source.open(part.next, part.end)
         try:
             while self.error is None and (n := stream.readinto(buffer)):

@@ -6,7 +6,7 @@
 - :class:`Retry` is the one retry policy: bounded attempts, exponential backoff
   with full jitter, on connection errors, 429 and 503, honouring ``Retry-After``.
 - :class:`Transport` sends API requests through httpx with timeouts and that policy.
-- :func:`open_stream` opens a blob body with the standard library's
+- :func:`open_stream` opens a blob body (or a byte range of it) with the standard library's
   ``http.client``: bulk bytes are read with ``readinto`` straight from the socket
   into one reused buffer, which is what lets a verified download keep up with a
   raw boto3 GET (httpx's 64 KiB reads and chunk copies cost a third of that).
