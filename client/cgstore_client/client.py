@@ -2,11 +2,12 @@
 
 Configuration comes from the arguments or the environment: ``CGSTORE_URL``,
 ``CGSTORE_TOKEN`` (or ``CGSTORE_TOKEN_FILE``), ``CGSTORE_CACHE_DIR`` (default
-``~/.cache/cgstore``) and ``CGSTORE_OFFLINE``. In offline mode no socket is ever
+``~/.cache/cgstore``), ``CGSTORE_OFFLINE``, and ``CGSTORE_DOWNLOAD_CONNECTIONS`` /
+``CGSTORE_DOWNLOAD_PART_BYTES`` (parallel ranged downloads, ``download.py``). In offline mode no socket is ever
 opened: the transport is created on first network use, and offline it never is.
 
 Blob primitives live here: :meth:`Client.fetch_blob` (verified download into the
-cache, through which every other download goes) and :meth:`Client.push_blobs`
+cache, through which every other download goes; the transfer itself is ``download.py``) and :meth:`Client.push_blobs`
 (batch missing check, then monolithic or resumable chunked uploads). On top of
 them: :meth:`Client.load` (a worker's boot: one resolve, verified downloads,
 ``Loaded`` or ``Eager`` per want) and :meth:`Client.publish` (a mint child's
@@ -24,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import blake3
-
 from cgstore_client import boot
 from cgstore_client.archive import inspect
 from cgstore_client.boot import Eager, Loaded, Want
@@ -39,7 +38,8 @@ from cgstore_client.errors import (
     Refused,
     Unavailable,
 )
-from cgstore_client.http import Retry, Stream, Transport, file_chunks, open_stream
+from cgstore_client.download import DEFAULT_CONNECTIONS, DEFAULT_PART_BYTES, Plan, Progress, Slots, download
+from cgstore_client.http import Retry, Transport, file_chunks
 from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
 from cgstore_client.lanes import DEFAULT_LANE, resolve_lane
 from cgstore_client.receipts import (
@@ -52,7 +52,6 @@ from cgstore_client.receipts import (
 from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
-READ_BYTES = 1 << 20
 #: Blobs at least this large go through a resumable upload session rather than one PUT.
 CHUNKED_THRESHOLD = 64 << 20
 #: One PATCH of a session. At most the store's S3 part size (16 MiB by default), so
@@ -64,8 +63,6 @@ MAX_MISSING_BATCH = 1024
 #: The component name under which ``publish`` uploads the mint's derived constants.
 DERIVED_COMPONENT = "derived-constants"
 _TRUE = frozenset({"1", "true", "yes", "on"})
-
-Progress = Callable[[int], None]
 
 
 class ConfigError(CgstoreError, ValueError):
@@ -90,6 +87,19 @@ def _token_from_env() -> str | None:
     return None
 
 
+def _positive(env: str, value: int | None, default: int) -> int:
+    """A count setting: the argument, else the environment variable ``env``, else ``default``."""
+    if value is None:
+        raw = os.environ.get(env, "").strip()
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            raise ConfigError(f"{env} must be a whole number, not {raw!r}") from None
+    if value < 1:
+        raise ConfigError(f"{env} must be at least 1, not {value}")
+    return value
+
+
 class Client:
     """The store, from a worker's or a mint child's side. Use as a context manager or call :meth:`close`."""
 
@@ -103,6 +113,8 @@ class Client:
         retry: Retry | None = None,
         receipt_verifier: ReceiptVerifier = verify_jws_receipt,
         chunked_threshold: int | None = None,
+        download_connections: int | None = None,
+        download_part_bytes: int | None = None,
     ) -> None:
         self.url = (url or os.environ.get("CGSTORE_URL") or DEFAULT_URL).rstrip("/")
         self.token = token if token is not None else _token_from_env()
@@ -112,6 +124,9 @@ class Client:
         self.retry = retry or Retry()
         self.receipt_verifier = receipt_verifier
         self.chunked_threshold = CHUNKED_THRESHOLD if chunked_threshold is None else chunked_threshold
+        connections = _positive("CGSTORE_DOWNLOAD_CONNECTIONS", download_connections, DEFAULT_CONNECTIONS)
+        part_bytes = _positive("CGSTORE_DOWNLOAD_PART_BYTES", download_part_bytes, DEFAULT_PART_BYTES)
+        self.downloads = Plan(Slots(connections), part_bytes, self.retry, self.cache)
         self._transport: Transport | None = None
         self._jwks: dict | None = None
 
@@ -157,8 +172,8 @@ class Client:
     def _download(self, url: str, digest: str, size: int | None, progress: Progress | None) -> Path:
         temp = self.cache.temp_file(digest)
         try:
-            with open(temp, "wb") as out:
-                actual, got = _Download(url, self.token, size, out, self.retry, progress, self.cache).run()
+            with open(temp, "w+b") as out:  # read back: the hash follows the parts
+                actual, got = download(self.downloads, url, self.token, size, out, progress)
                 out.flush()
                 os.fsync(out.fileno())
             if actual != digest or (size is not None and got != size):
@@ -526,66 +541,3 @@ def _entry(answer) -> dict[str, Any]:
     if receipt is not None:
         entry["receipt"] = receipt
     return entry
-
-
-class _Download:
-    """One verified download: resumes with ``Range`` after a dropped connection, restarts on a 200."""
-
-    def __init__(self, url, token, size, out, retry: Retry, progress: Progress | None, cache: Cache) -> None:
-        self.url, self.token, self.size, self.out = url, token, size, out
-        self.retry, self.progress, self.cache = retry, progress, cache
-        self.hasher = blake3.blake3()
-        self.have = 0
-        self.buffer = memoryview(bytearray(READ_BYTES))
-
-    def run(self) -> tuple[str, int]:
-        failures = 0
-        while True:
-            before = self.have
-            try:
-                self._attempt()
-                return "blake3:" + self.hasher.hexdigest(), self.have
-            except Unavailable as err:
-                # Attempts count only failures without progress: a flaky link that keeps
-                # delivering bytes is followed to the end, a dead one is given up on.
-                failures = 1 if self.have > before else failures + 1
-                if failures >= self.retry.attempts:
-                    raise
-                time.sleep(self.retry.delay(failures, err.retry_after_s))
-
-    def _attempt(self) -> None:
-        stream = open_stream(self.url, self.token, start=self.have)
-        try:
-            self._check_span(stream)
-            self._copy(stream)
-            stream.finish()
-        finally:
-            stream.close()
-
-    def _check_span(self, stream: Stream) -> None:
-        if stream.start != self.have:
-            if stream.start != 0:
-                raise Refused(f"asked for bytes from {self.have}, got a range from {stream.start}")
-            self._restart()  # a 200 to a ranged request: the whole body again, from scratch
-        if stream.total is not None:
-            if self.size is not None and stream.total != self.size:
-                raise IntegrityError(f"the store serves {stream.total} bytes, expected {self.size}")
-            if self.have == 0:
-                self.cache.require_space(stream.total)
-
-    def _restart(self) -> None:
-        self.out.seek(0)
-        self.out.truncate()
-        self.hasher = blake3.blake3()
-        self.have = 0
-
-    def _copy(self, stream: Stream) -> None:
-        while n := stream.readinto(self.buffer):
-            chunk = self.buffer[:n]
-            self.hasher.update(chunk)
-            self.out.write(chunk)
-            self.have += n
-            if self.size is not None and self.have > self.size:
-                raise IntegrityError(f"more than the expected {self.size} bytes")
-            if self.progress is not None:
-                self.progress(n)

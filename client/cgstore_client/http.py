@@ -6,7 +6,7 @@
 - :class:`Retry` is the one retry policy: bounded attempts, exponential backoff
   with full jitter, on connection errors, 429 and 503, honouring ``Retry-After``.
 - :class:`Transport` sends API requests through httpx with timeouts and that policy.
-- :func:`open_stream` opens a blob body with the standard library's
+- :func:`open_stream` opens a blob body (or a byte range of it) with the standard library's
   ``http.client``: bulk bytes are read with ``readinto`` straight from the socket
   into one reused buffer, which is what lets a verified download keep up with a
   raw boto3 GET (httpx's 64 KiB reads and chunk copies cost a third of that).
@@ -158,11 +158,14 @@ class Transport:
 
 @dataclass
 class Stream:
-    """An open 200 or 206 blob body: ``start`` its first byte, ``total`` the blob size if known."""
+    """An open 200 or 206 blob body from ``url`` (after redirects): bytes ``[start, end)`` of a
+    blob of ``total`` bytes (``end`` and ``total`` None when the server does not say)."""
 
     connection: http.client.HTTPConnection
     response: http.client.HTTPResponse
+    url: str
     start: int
+    end: int | None
     total: int | None
 
     def readinto(self, buffer: memoryview) -> int:
@@ -180,12 +183,12 @@ class Stream:
         self.connection.close()
 
 
-def open_stream(url: str, token: str | None, *, start: int = 0) -> Stream:
-    """GET ``url`` (from byte ``start``), following redirects; the token only goes to ``url``'s own host."""
-    origin = _origin(url)
+def open_stream(url: str, token: str | None, *, start: int = 0, end: int | None = None) -> Stream:
+    """GET ``url`` (bytes ``[start, end)``), following redirects; the token only goes to ``url``'s own host."""
+    origin = url
     for _ in range(MAX_REDIRECTS + 1):
-        headers = {"Range": f"bytes={start}-"} if start else {}
-        if token and _origin(url) == origin:
+        headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"} if start or end is not None else {}
+        if token and same_origin(url, origin):
             headers["Authorization"] = f"Bearer {token}"
         connection, response = _get(url, headers)
         if response.status in REDIRECTS:
@@ -198,8 +201,13 @@ def open_stream(url: str, token: str | None, *, start: int = 0) -> Stream:
                 raise error_for(response.status, response.read(MAX_ERROR_BODY), response.getheader("Retry-After"))
             finally:
                 connection.close()
-        return Stream(connection, response, *_span(response))
+        return Stream(connection, response, url, *_span(response))
     raise Refused(f"more than {MAX_REDIRECTS} redirects")
+
+
+def same_origin(a: str, b: str) -> bool:
+    """Whether two URLs name the same scheme, host and port (where a bearer token may go)."""
+    return _origin(a) == _origin(b)
 
 
 def _origin(url: str) -> tuple[str, str | None, int | None]:
@@ -222,16 +230,17 @@ def _get(url: str, headers: dict[str, str]) -> tuple[http.client.HTTPConnection,
         raise unreachable(f"GET {url.split('?')[0]}", err) from err
 
 
-def _span(response: http.client.HTTPResponse) -> tuple[int, int | None]:
-    """(first byte, total size) of a 200 or 206 answer."""
+def _span(response: http.client.HTTPResponse) -> tuple[int, int | None, int | None]:
+    """(first byte, end, total size) of a 200 or 206 answer."""
     if response.status == 200:
-        return 0, response.length
+        return 0, response.length, response.length
     content_range = response.getheader("Content-Range", "")
     with contextlib.suppress(ValueError):
         unit, _, rest = content_range.partition(" ")
-        first, _, total = rest.partition("/")
+        span, _, total = rest.partition("/")
+        first, _, last = span.partition("-")
         if unit == "bytes":
-            return int(first.split("-")[0]), (None if total == "*" else int(total))
+            return int(first), int(last) + 1, (None if total == "*" else int(total))
     raise Refused(f"unreadable Content-Range {content_range[:100]!r}")
 
 

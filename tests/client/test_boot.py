@@ -214,6 +214,22 @@ def test_eight_processes_booting_together_download_each_blob_once(store, publish
     assert len([f for f in cache_files(tmp_path) if f.startswith("blobs/")]) == 2
 
 
+def test_a_load_fetches_big_blobs_as_ranged_parts(store, published, minted, tmp_path):
+    repo, token, key = published
+    part = 64 * 1024  # the archive is many parts; its tiny constants one stream
+    sizes = [minted.stat().st_size, Path(derived_constants_path(minted)).stat().st_size]
+    assert sizes[0] > 8 * part
+    gets = blob_gets(store)
+    with Client(store.base_url, token, cache_dir=tmp_path / "c", download_connections=3,
+                download_part_bytes=part) as client:
+        (loaded,) = client.load(FAMILY, [Want(key, mandatory=True)])
+    assert loaded.artifact_path.read_bytes() == minted.read_bytes()
+    assert loaded.component_paths[DERIVED_COMPONENT].read_bytes() == Path(derived_constants_path(minted)).read_bytes()
+    # Embedded: the store serves every part; S3: the store answers one 307 per blob, the parts go to S3.
+    assert blob_gets(store) == gets + (2 if store.is_s3 else sum(max(1, -(-size // part)) for size in sizes))
+    assert list((tmp_path / "c" / "tmp").iterdir()) == []
+
+
 def test_a_key_holding_other_bytes_is_a_conflict_naming_both(store, published, minted, tmp_path):
     repo, token, key = published
     other = tmp_path / "other.constants.safetensors"

@@ -1,0 +1,327 @@
+"""Blob downloads into an open temp file: one verified stream, or parallel ranged GETs.
+
+Why parallel: an object store serves each connection at a bounded rate, so a
+worker booting from multi-GiB blobs over one stream waits on that rate, not on
+its link. A blob of known size larger than one part (``part_bytes``, 16 MiB by
+default) is fetched as ``Range`` parts over up to ``connections`` (8) at once.
+
+- **One bound per client.** :class:`Slots` is a pool of read buffers, one per
+  connection, shared by every blob of a client: a connection is opened only while
+  holding a buffer, so three blobs never open three times the bound, and memory
+  is that many buffers whatever the blob sizes (bytes go socket → buffer → file
+  with ``os.pwrite`` at their offset; no part is ever held in memory).
+- **Verification is not weakened.** The whole file is hashed (blake3) and sized
+  before the caller renames it. The hash follows the lowest incomplete offset while
+  later parts still arrive, reading back from the file what the parts wrote, so
+  when the last part lands only the tail is left to hash.
+- **Faults.** A failed part is retried alone from where it stopped (the client's
+  :class:`~cgstore_client.http.Retry` policy); a server answering 200 to a ranged
+  request, or a Content-Range other than the one asked, makes the whole blob
+  fall back to one stream; a redirect target (a presigned URL) that starts
+  refusing (expired mid-download) is resolved again through the store, once.
+- The store is asked once per blob: the first part follows its redirect and the
+  other parts go straight to where it led (the token only to the store's host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import blake3
+
+from cgstore_client.cache import Cache
+from cgstore_client.errors import Denied, IntegrityError, Refused, Unauthorized, Unavailable
+from cgstore_client.http import Retry, Stream, open_stream, same_origin
+
+DEFAULT_CONNECTIONS = 8
+DEFAULT_PART_BYTES = 16 << 20
+READ_BYTES = 1 << 20
+
+Progress = Callable[[int], None]
+
+
+class Slots:
+    """The client-wide bound on open download connections: a pool of read buffers, one per connection."""
+
+    def __init__(self, connections: int) -> None:
+        self.connections = connections
+        self._free: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        for _ in range(connections):
+            self._free.put(None)  # allocated on first use: an idle client holds no buffer
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[memoryview]:
+        buffer = self._free.get() or memoryview(bytearray(READ_BYTES))
+        try:
+            yield buffer
+        finally:
+            self._free.put(buffer)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a client downloads: the shared connection slots and the part size."""
+
+    slots: Slots
+    part_bytes: int
+    retry: Retry
+    cache: Cache
+
+
+def download(plan: Plan, url: str, token: str | None, size: int | None, out: BinaryIO,
+             progress: Progress | None) -> tuple[str, int]:
+    """Download ``url`` into ``out`` (an empty file); (blake3 digest, byte count) of what it holds."""
+    if size is not None and size > plan.part_bytes and plan.slots.connections > 1:
+        try:
+            return _Parallel(plan, _Source(url, token, size), size, out.fileno(), progress).run()
+        except _RangesIgnored:
+            out.seek(0)
+            out.truncate()
+    return _Single(plan, url, token, size, out, progress).run()
+
+
+class _Single:
+    """One stream: resumes with ``Range`` after a dropped connection, restarts on a 200."""
+
+    def __init__(self, plan: Plan, url: str, token: str | None, size: int | None, out: BinaryIO,
+                 progress: Progress | None) -> None:
+        self.plan, self.url, self.token, self.size, self.out, self.progress = plan, url, token, size, out, progress
+        self.hasher = blake3.blake3()
+        self.have = 0
+
+    def run(self) -> tuple[str, int]:
+        failures = 0
+        while True:
+            before = self.have
+            try:
+                with self.plan.slots.take() as buffer:
+                    self._attempt(buffer)
+                return "blake3:" + self.hasher.hexdigest(), self.have
+            except Unavailable as err:
+                # Attempts count only failures without progress: a flaky link that keeps
+                # delivering bytes is followed to the end, a dead one is given up on.
+                failures = 1 if self.have > before else failures + 1
+                if failures >= self.plan.retry.attempts:
+                    raise
+                time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
+
+    def _attempt(self, buffer: memoryview) -> None:
+        stream = open_stream(self.url, self.token, start=self.have)
+        try:
+            self._check_span(stream)
+            self._copy(stream, buffer)
+            stream.finish()
+        finally:
+            stream.close()
+
+    def _check_span(self, stream: Stream) -> None:
+        if stream.start != self.have:
+            if stream.start != 0:
+                raise Refused(f"asked for bytes from {self.have}, got a range from {stream.start}")
+            self._restart()  # a 200 to a ranged request: the whole body again, from scratch
+        if stream.total is not None:
+            _check_total(stream, self.size)
+            if self.have == 0:
+                self.plan.cache.require_space(stream.total)
+
+    def _restart(self) -> None:
+        self.out.seek(0)
+        self.out.truncate()
+        self.hasher = blake3.blake3()
+        self.have = 0
+
+    def _copy(self, stream: Stream, buffer: memoryview) -> None:
+        while n := stream.readinto(buffer):
+            chunk = buffer[:n]
+            self.hasher.update(chunk)
+            self.out.write(chunk)
+            self.have += n
+            if self.size is not None and self.have > self.size:
+                raise IntegrityError(f"more than the expected {self.size} bytes")
+            if self.progress is not None:
+                self.progress(n)
+
+
+def _check_total(stream: Stream, size: int | None) -> None:
+    if stream.total is not None and size is not None and stream.total != size:
+        stream.close()
+        raise IntegrityError(f"the store serves {stream.total} bytes, expected {size}")
+
+
+class _RangesIgnored(Exception):
+    """The server answered a part with other bytes than asked: download the blob as one stream."""
+
+
+class _Source:
+    """Where parts come from: the store's blob URL, and where its redirect led (a presigned URL)."""
+
+    def __init__(self, url: str, token: str | None, size: int) -> None:
+        self.url, self.token, self.size = url, token, size
+        self.resolved: str | None = None
+        self.renewed = False
+        self.ignored = False  # a part got other bytes than asked: the others need not ask
+        self.lock = threading.Lock()
+
+    def open(self, start: int, end: int) -> Stream:
+        """A stream of bytes ``[start, end)``, exactly those, or :class:`_RangesIgnored`."""
+        with self.lock:  # the first part asks the store; the others wait for where it leads
+            if self.ignored:
+                raise _RangesIgnored("the server ignores ranges")
+            if self.resolved is None:
+                stream = open_stream(self.url, self.token, start=start, end=end)
+                self.resolved = stream.url
+                return self._checked(stream, start, end)
+            url = self.resolved
+        try:
+            stream = open_stream(url, self.token if same_origin(url, self.url) else None, start=start, end=end)
+        except (Denied, Unauthorized):
+            if not self._renew(url):
+                raise
+            return self.open(start, end)
+        return self._checked(stream, start, end)
+
+    def _renew(self, refused: str) -> bool:
+        """Whether to ask again after ``refused`` denied a part: a presigned URL expires, once per download."""
+        with self.lock:
+            if self.resolved != refused:
+                return True  # another part already renewed it
+            if self.renewed or refused == self.url:
+                return False  # the store itself refuses: that answer stands
+            self.renewed, self.resolved = True, None
+            return True
+
+    def _checked(self, stream: Stream, start: int, end: int) -> Stream:
+        _check_total(stream, self.size)
+        if (stream.start, stream.end) != (start, end):
+            self.ignored = True
+            stream.close()
+            raise _RangesIgnored(f"asked for bytes {start}-{end - 1}, got {stream.start}-{stream.end}")
+        return stream
+
+
+@dataclass
+class _Part:
+    start: int
+    end: int
+    have: int = 0  # bytes written from ``start``
+
+    @property
+    def next(self) -> int:
+        return self.start + self.have
+
+
+class _Parallel:
+    """A blob of known size as ranged parts over the client's connection slots, hashed as its prefix grows."""
+
+    def __init__(self, plan: Plan, source: _Source, size: int, fd: int, progress: Progress | None) -> None:
+        self.plan, self.source, self.size, self.fd, self.progress = plan, source, size, fd, progress
+        self.parts = [_Part(start, min(start + plan.part_bytes, size)) for start in range(0, size, plan.part_bytes)]
+        self.todo = iter(self.parts)
+        self.changed = threading.Condition()  # a part advanced, failed, or a worker ended
+        self.error: BaseException | None = None
+        self.running = 0
+        self.progress_lock = threading.Lock()  # the hook is never called from two threads at once
+
+    def run(self) -> tuple[str, int]:
+        workers = min(self.plan.slots.connections, len(self.parts))
+        self.running = workers
+        with ThreadPoolExecutor(workers, thread_name_prefix="cgstore-part") as pool:
+            for _ in range(workers):
+                pool.submit(self._work)
+            try:
+                return self._hash_prefix(), self.size
+            except BaseException as err:
+                self._fail(err)  # stop the workers before the pool waits for them
+                raise
+
+    def _hash_prefix(self) -> str:
+        """blake3 of the file, read back up to the lowest incomplete offset as parts land."""
+        hasher = blake3.blake3()
+        hashed = 0
+        buffer = memoryview(bytearray(READ_BYTES))
+        while hashed < self.size:
+            with self.changed:
+                while (frontier := self._frontier()) == hashed and self.error is None and self.running:
+                    self.changed.wait()
+                if self.error is not None:
+                    raise self.error
+                if frontier == hashed:
+                    raise Unavailable(f"the download stopped at byte {hashed} of {self.size}")
+            while hashed < frontier:
+                n = os.preadv(self.fd, [buffer[: min(READ_BYTES, frontier - hashed)]], hashed)
+                hasher.update(buffer[:n])
+                hashed += n
+        return "blake3:" + hasher.hexdigest()
+
+    def _frontier(self) -> int:
+        """The end of the contiguous prefix written: parts write in order from their start."""
+        for part in self.parts:
+            if part.next < part.end:
+                return part.next
+        return self.size
+
+    def _work(self) -> None:
+        try:
+            while self.error is None and (part := self._next_part()) is not None:
+                self._fetch(part)
+        except BaseException as err:
+            self._fail(err)
+        finally:
+            with self.changed:
+                self.running -= 1
+                self.changed.notify_all()
+
+    def _next_part(self) -> _Part | None:
+        with self.changed:
+            return next(self.todo, None)
+
+    def _fail(self, err: BaseException) -> None:
+        with self.changed:
+            self.error = self.error or err
+            self.changed.notify_all()
+
+    def _fetch(self, part: _Part) -> None:
+        """One part, retried alone from where it stopped."""
+        failures = 0
+        while part.next < part.end and self.error is None:
+            before = part.have
+            try:
+                with self.plan.slots.take() as buffer:
+                    self._attempt(part, buffer)
+            except Unavailable as err:
+                failures = 1 if part.have > before else failures + 1
+                if failures >= self.plan.retry.attempts:
+                    raise
+                time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
+
+    def _attempt(self, part: _Part, buffer: memoryview) -> None:
+        if self.error is not None:
+            return  # the download failed while this part waited for a connection
+        stream = self.source.open(part.next, part.end)
+        try:
+            while self.error is None and (n := stream.readinto(buffer)):
+                _pwrite(self.fd, buffer[:n], part.next)
+                with self.changed:
+                    part.have += n
+                    self.changed.notify_all()
+                if self.progress is not None:
+                    with self.progress_lock:
+                        self.progress(n)
+            if self.error is None:
+                stream.finish()
+        finally:
+            stream.close()
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
