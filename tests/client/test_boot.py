@@ -299,7 +299,7 @@ def unseen_bytes(archive: Path, directory: Path) -> Path:
     import torch
     from safetensors import safe_open
 
-    from cgstore_client.loader import save_tensors
+    from cgstore_client.components import save_tensors
 
     directory.mkdir()
     copy = directory / "model.pt2"
