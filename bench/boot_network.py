@@ -40,14 +40,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cgstore_client import Client
 
 import netmodel
-from _common import MiB, blake3_file, embedded_stack, emit_result, log, median, write_random_file
+from _common import MiB, blake3_file, embedded_stack, emit_result, log, median, timed, write_random_file
 
 REPO = "bench/boot"
 
@@ -137,11 +136,11 @@ def main() -> None:
                 for name in order[round_ % len(order):] + order[: round_ % len(order)]:
                     out = scratch / name
                     os.sync()
-                    started = time.perf_counter()
-                    sides[name](proxy.url(), token, blobs, out)
-                    elapsed = time.perf_counter() - started
-                    results[name].append(total / MiB / elapsed)
-                    log(f"round {round_} {name}: {elapsed:.2f}s, {results[name][-1]:.1f} MiB/s")
+                    with timed({"proxy": proxy.process.pid, "store": stack.server_pid}) as timing:
+                        sides[name](proxy.url(), token, blobs, out)
+                    results[name].append(total / MiB / timing.wall_s)
+                    cpu = ", ".join(f"{who} {seconds / timing.wall_s:.0%}" for who, seconds in timing.cpu_s.items())
+                    log(f"round {round_} {name}: {timing.wall_s:.2f}s, {results[name][-1]:.1f} MiB/s (CPU of a core: {cpu})")
                     shutil.rmtree(out)
 
     best = {name: max(values) for name, values in results.items()}
