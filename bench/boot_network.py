@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -100,6 +101,14 @@ def run_curl(url: str, token: str, blobs: list[tuple[str, int]], out: Path) -> N
     check_files(blobs, out)
 
 
+def own_and_children_cpu() -> float:
+    """CPU seconds of this process (the client, blake3) and of its finished children (aria2c, curl)."""
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
+
+
 def blob_url(url: str, digest: str) -> str:
     return f"{url}/v1/repos/{REPO}/blobs/{digest}"
 
@@ -136,8 +145,10 @@ def main() -> None:
                 for name in order[round_ % len(order):] + order[: round_ % len(order)]:
                     out = scratch / name
                     os.sync()
+                    downloader = own_and_children_cpu()
                     with timed({"proxy": proxy.process.pid, "store": stack.server_pid}) as timing:
                         sides[name](proxy.url(), token, blobs, out)
+                    timing.cpu_s["downloader"] = own_and_children_cpu() - downloader
                     results[name].append(total / MiB / timing.wall_s)
                     cpu = ", ".join(f"{who} {seconds / timing.wall_s:.0%}" for who, seconds in timing.cpu_s.items())
                     log(f"round {round_} {name}: {timing.wall_s:.2f}s, {results[name][-1]:.1f} MiB/s (CPU of a core: {cpu})")
