@@ -322,6 +322,8 @@ def _byte_source(total: int) -> Iterator[int]:
         yield listener.getsockname()[1]
     finally:
         stop.set()
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() alone does not
         listener.close()
         thread.join(5)
 
