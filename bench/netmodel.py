@@ -1,9 +1,12 @@
 """A network model for benchmarks: a shaping loopback TCP proxy in its own process.
 
     python bench/netmodel.py --target 127.0.0.1:8080 --c-mib-s 32 --a-mib-s 256 --latency-ms 20
+    python bench/netmodel.py        # (as `make bench` runs it) its unshaped forwarding rate, as JSON
 
 prints ``listening <port>`` once it accepts connections, then forwards every
-accepted connection to the target until stopped (SIGTERM). From Python,
+accepted connection to the target until stopped (SIGTERM). Without
+``--target`` it measures what it forwards with shaping off and prints
+``{"unshaped_mib_s": ...}``. From Python,
 :func:`shaped_proxy` runs it as a subprocess for the duration of a block and
 :func:`forwarding_capacity` measures what it can forward with shaping off.
 
@@ -51,6 +54,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -143,7 +147,8 @@ class _Half(asyncio.Protocol):
         if delay <= 0 and not self.held:
             self.peer.transport.write(data)
             return
-        # Never before the chunk ahead of it: reading may deliver once more after a pause.
+        # Held chunks leave in order, none due before the one ahead of it (reading may
+        # deliver once more after a pause).
         send_at = max(now + delay, self.held[-1][0] if self.held else now)
         self.held.append((send_at, data))
         if len(self.held) == 1:
@@ -353,12 +358,15 @@ def forwarding_capacity(total: int = 1024 * MiB, streams: int = 3) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", required=True, help="host:port to forward to")
+    parser.add_argument("--target", help="host:port to forward to (without: measure the unshaped rate)")
     parser.add_argument("--port", type=int, default=0, help="listen port (default: a free one, printed)")
     parser.add_argument("--c-mib-s", type=float, default=None, help="per-connection cap, MiB/s (default: none)")
     parser.add_argument("--a-mib-s", type=float, default=None, help="aggregate cap, MiB/s (default: none)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="first-byte latency per request (default 0)")
     args = parser.parse_args()
+    if args.target is None:
+        print(json.dumps({"unshaped_mib_s": round(forwarding_capacity() / MiB, 1)}), flush=True)
+        return
     host, _, port = args.target.rpartition(":")
     shape = Shape(
         per_connection=None if args.c_mib_s is None else args.c_mib_s * MiB,
