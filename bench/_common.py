@@ -229,13 +229,45 @@ class Stack:
 
     def mint(self, sub: str, *grants: str, ttl: str = "1h") -> str:
         """A token minted by the store's own CLI, in the store's environment."""
-        args = [sys.executable, "-m", "cgstore.cli", "token", "mint", "--sub", sub, "--ttl", ttl]
-        for grant in grants:
-            args += ["--grant", grant]
-        done = subprocess.run(
-            args, env=self.store.env, cwd=REPO_ROOT, check=True, capture_output=True, text=True
-        )
-        return done.stdout.strip().splitlines()[-1]
+        return mint_token(self.store.env, sub, *grants, ttl=ttl)
+
+
+def mint_token(env: dict[str, str], sub: str, *grants: str, ttl: str = "1h") -> str:
+    """A token minted by the store's own CLI in the store's environment ``env``."""
+    args = [sys.executable, "-m", "cgstore.cli", "token", "mint", "--sub", sub, "--ttl", ttl]
+    for grant in grants:
+        args += ["--grant", grant]
+    done = subprocess.run(args, env=env, cwd=REPO_ROOT, check=True, capture_output=True, text=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+@dataclass
+class EmbeddedStack:
+    """The store in its embedded default (SQLite + a blob directory under its home), as a process."""
+
+    store: services.StoreProcess
+    home: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.store.base_url
+
+    @property
+    def server_pid(self) -> int:
+        return self.store.process.pid
+
+    def mint(self, sub: str, *grants: str, ttl: str = "1h") -> str:
+        return mint_token(self.store.env, sub, *grants, ttl=ttl)
+
+
+@contextlib.contextmanager
+def embedded_stack(**settings: object) -> Iterator[EmbeddedStack]:
+    """``cgstore serve`` with nothing but a fresh ``CGSTORE_HOME``: SQLite and the directory
+    backend (blob GETs are answered by the store itself, never redirected); removed after."""
+    with tempfile.TemporaryDirectory(prefix="cgstore-bench-home-") as home_dir:
+        env = {f"CGSTORE_{name.upper()}": _env_value(value) for name, value in settings.items()}
+        with services.store_process(env, Path(home_dir)) as store:
+            yield EmbeddedStack(store=store, home=Path(home_dir))
 
 
 @contextlib.contextmanager
