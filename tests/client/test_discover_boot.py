@@ -1,0 +1,178 @@
+"""Boot by declaration (issue 16): discover, the structural gate, confirmation, offline and store-down boots.
+
+Real archives (``tests/support/archives.py``: the tiny model, minted once per
+session) against the real store in both configurations. The worker's model is
+another instance (other weights, same tensors' names, dtypes and shapes): what
+is served compiled is bound to the live model's own state.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from cgstore_client import Client, CompiledRequired
+from cgstore_client.archive import inspect
+from cgstore_client.binding import code_fingerprint
+from cgstore_client.discovery import Booted
+from cgstore_client.keys import Envelope
+from cgstore_client.mint import derived_constants_path, environment_sm, environment_toolchain
+
+from tests.support.archives import tiny_inputs, tiny_model
+from tests.support.live_store import unique_repo
+from tests.support.services import free_port
+
+pytestmark = pytest.mark.torch
+
+FAMILY = "tiny-discover"
+ENVELOPE = Envelope(shapes=[(64, 64)], text_len=0, batch_sizes=[1, 2, 5])
+RELEASE = "endpoint-7"
+CONFIRM_TIMEOUT_S = 300  # an export on a loaded 2-core machine
+
+
+@pytest.fixture
+def declared(store, pt2_archive, tmp_path):
+    """Archive A published (with its release and code fingerprint) under this environment's toolchain and sm."""
+    archive = tmp_path / "mint" / "model.pt2"
+    archive.parent.mkdir()
+    shutil.copy(pt2_archive, archive)
+    shutil.copy(derived_constants_path(pt2_archive), derived_constants_path(archive))
+    repo = f"acme/{unique_repo()}"
+    token = store.mint("mint-child", f"{repo}:read,write")
+    with Client(store.base_url, token, cache_dir=tmp_path / "mint-cache") as client:
+        published = client.publish(repo, archive, family=FAMILY, envelope=ENVELOPE, toolchain=environment_toolchain(),
+                                   sm=environment_sm("cpu"), release=RELEASE, code=code_fingerprint(tiny_model(0)))
+    return repo, token, published.key, inspect(archive).graph_digest
+
+
+def boot(client: Client, model, **options) -> Booted:
+    return client.boot(FAMILY, model, envelope=ENVELOPE, release=RELEASE, **options)
+
+
+def same_outputs(booted: Booted, model) -> bool:
+    with torch.no_grad():
+        return all(torch.equal(booted(*tiny_inputs(b)), model(*tiny_inputs(b))) for b in (1, 2, 5))
+
+
+def test_discover_answers_the_declaration_and_only_it(store, declared, tmp_path):
+    repo, token, key, graph = declared
+    toolchain, sm = environment_toolchain(), environment_sm("cpu")
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        (candidate,) = client.discover(FAMILY, envelope=ENVELOPE, sm=sm, toolchain=toolchain, release=RELEASE)
+        other_release = client.discover(FAMILY, envelope=ENVELOPE, sm=sm, toolchain=toolchain, release="other")
+    assert (candidate.key, candidate.repo, candidate.record.graph) == (key, repo, graph)
+    assert candidate.binding_signature.startswith("bs1:") and other_release == []
+
+
+def test_another_instance_boots_compiled_from_a_fresh_cache_and_is_confirmed(store, declared, tmp_path):
+    repo, token, key, _ = declared
+    live = tiny_model(seed=3)  # weights the archive has never seen
+    with Client(store.base_url, token, cache_dir=tmp_path / "fresh") as client:
+        before = boot(client, live, confirm="before", example_inputs=tiny_inputs())
+        background = boot(client, live, example_inputs=tiny_inputs())
+        assert background.wait_confirmed(CONFIRM_TIMEOUT_S) == "confirmed"
+    for booted in (before, background):
+        assert booted.compiled and booted.reason is None and booted.confirmation == "confirmed"
+        assert (booted.loaded.key, booted.loaded.repo) == (key, repo)
+        assert same_outputs(booted, live)
+
+
+def patched(model):
+    """Same tensors, another computation: the forward of the sigmoid variant, over this model's weights."""
+    other = tiny_model(activation="sigmoid")
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def test_a_patched_forward_is_served_then_switched_to_eager_when_background_confirmation_finds_drift(
+    store, declared, tmp_path, caplog
+):
+    repo, token, key, graph = declared
+    live = patched(tiny_model(seed=3))
+    compiled_twin = tiny_model(seed=3)  # what the record computes with these weights
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        booted = boot(client, live, code=False, example_inputs=tiny_inputs())
+        assert booted.compiled  # the structural gate cannot tell: same names, dtypes, shapes
+        assert same_outputs(booted, compiled_twin) or booted.confirmation == "drift"
+        assert booted.wait_confirmed(CONFIRM_TIMEOUT_S) == "drift"
+    assert not booted.compiled and booted.reason.startswith("drift") and graph in booted.reason
+    assert booted.loaded.key == key and same_outputs(booted, live)
+    assert any("serves eager from now on" in r.getMessage() for r in caplog.records)
+
+
+def test_confirm_before_refuses_a_patched_forward_up_front_and_mandatory_raises(store, declared, tmp_path):
+    _, token, _, _ = declared
+    live = patched(tiny_model(seed=3))
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        booted = boot(client, live, code=False, confirm="before", example_inputs=tiny_inputs())
+        assert not booted.compiled and booted.confirmation == "drift" and booted.reason.startswith("drift")
+        assert same_outputs(booted, live)
+        with pytest.raises(CompiledRequired, match="drift") as required:
+            boot(client, live, code=False, mandatory=True, example_inputs=tiny_inputs())
+    assert required.value.retryable
+
+
+class Renamed(torch.nn.Module):
+    """The tiny model one level down: every tensor's name gains ``inner.``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tiny_model(seed=3)
+
+    def forward(self, inputs, offset):
+        return self.inner(inputs, offset)
+
+
+@pytest.mark.parametrize(
+    ("model", "named"),
+    [
+        (lambda: tiny_model(seed=3, hidden=5), "lin.weight is ('float32', [5, 8]), recorded ('float32', [4, 8])"),
+        (Renamed, "inner.lin.weight is not recorded"),
+    ],
+    ids=["reshaped", "renamed"],
+)
+def test_a_reshaped_or_renamed_tensor_finds_no_candidate_and_says_which(store, declared, tmp_path, model, named):
+    _, token, key, _ = declared
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        booted = boot(client, model(), code=False)
+    assert not booted.compiled and booted.loaded is None
+    assert booted.reason.startswith("miss: no candidate binds this model's tensors") and key in booted.reason
+    assert named in booted.reason
+
+
+def test_example_inputs_outside_the_contract_are_served_eager_with_the_contracts_words(store, declared, tmp_path):
+    _, token, key, _ = declared
+    live = tiny_model(seed=3)
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        booted = boot(client, live, example_inputs=tiny_inputs(65))
+    assert not booted.compiled and f"{key}: the input contract refuses" in booted.reason
+    assert "declared [1, 64]" in booted.reason
+
+
+def test_offline_boot_answers_from_the_cache_and_says_what_it_lacks(store, declared, tmp_path):
+    _, token, key, _ = declared
+    live = tiny_model(seed=3)
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        assert boot(client, live).compiled
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens: any socket would fail
+    with Client(gone, token, cache_dir=tmp_path / "c", offline=True) as offline:
+        served = boot(offline, live)
+        other_release = offline.boot(FAMILY, live, envelope=ENVELOPE, release="never-discovered")
+    assert served.compiled and served.loaded.key == key and same_outputs(served, live)
+    assert not other_release.compiled and other_release.reason.startswith("offline and not cached")
+
+
+def test_with_the_store_down_boot_answers_from_a_warm_cache(store, declared, tmp_path):
+    _, token, key, _ = declared
+    live = tiny_model(seed=3)
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        assert boot(client, live).compiled
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    with Client(gone, token, cache_dir=tmp_path / "c") as fresh:
+        served = boot(fresh, live, example_inputs=tiny_inputs())
+        assert served.wait_confirmed(CONFIRM_TIMEOUT_S) == "confirmed"  # the report path is never taken
+    assert served.compiled and served.loaded.key == key and same_outputs(served, live)
+    with Client(gone, token, cache_dir=tmp_path / "cold") as cold:
+        eager = boot(cold, live)
+    assert not eager.compiled and eager.reason.startswith("store unavailable")
