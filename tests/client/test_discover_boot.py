@@ -20,6 +20,7 @@ from cgstore_client.keys import Envelope
 from cgstore_client.mint import derived_constants_path, environment_sm, environment_toolchain
 
 from tests.support.archives import tiny_inputs, tiny_model
+from tests.support.docs import example
 from tests.support.live_store import unique_repo
 from tests.support.services import free_port
 
@@ -176,3 +177,17 @@ def test_with_the_store_down_boot_answers_from_a_warm_cache(store, declared, tmp
     with Client(gone, token, cache_dir=tmp_path / "cold") as cold:
         eager = boot(cold, live)
     assert not eager.compiled and eager.reason.startswith("store unavailable")
+
+
+def test_the_docs_boot_by_declaration_runs_as_written(make_store, pt2_archive, tmp_path, monkeypatch):
+    live = make_store("embedded")
+    monkeypatch.setenv("CGSTORE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(pt2_archive, "model.pt2")  # minted from tiny_model (another seed: the weights are the worker's)
+    shutil.copy(derived_constants_path(pt2_archive), derived_constants_path("model.pt2"))
+    code = example("boot-by-declaration").replace("http://127.0.0.1:8080", live.base_url)
+    scope = {"TOKEN": live.mint("w", "acme/*:read,write"), "model": tiny_model(seed=3),
+             "example_inputs": tiny_inputs(), "__name__": "docs"}
+    exec(compile(code, "docs/client.md", "exec"), scope)  # noqa: S102 - the docs' own code
+    booted = scope["booted"]
+    assert booted.compiled and booted.confirmation == "confirmed" and torch.equal(scope["y"], tiny_model(3)(*tiny_inputs()))
