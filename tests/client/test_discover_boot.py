@@ -8,7 +8,11 @@ is served compiled is bound to the live model's own state.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ from cgstore_client.discovery import Booted
 from cgstore_client.keys import Envelope
 from cgstore_client.mint import derived_constants_path, environment_sm, environment_toolchain
 
-from tests.support.archives import tiny_inputs, tiny_model
+from tests.support.archives import REPO, tiny_inputs, tiny_model
 from tests.support.docs import example
 from tests.support.live_store import unique_repo
 from tests.support.services import free_port
@@ -191,3 +195,47 @@ def test_the_docs_boot_by_declaration_runs_as_written(make_store, pt2_archive, t
     exec(compile(code, "docs/client.md", "exec"), scope)  # noqa: S102 - the docs' own code
     booted = scope["booted"]
     assert booted.compiled and booted.confirmation == "confirmed" and torch.equal(scope["y"], tiny_model(3)(*tiny_inputs()))
+
+
+HF_WORKER = """
+import json, sys, torch
+from cgstore_client import Client
+from tests.support.hf_archives import hf_inputs, tiny_hf_model
+url, token, cache, name, checkpoint, family = sys.argv[1:]
+live = tiny_hf_model(name, seed=5)  # its own weights are not served: the checkpoint's are
+with Client(url, token, cache_dir=cache) as client:
+    booted = client.boot(family, live, envelope={"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1]},
+                         mandatory=True, example_inputs=hf_inputs(), checkpoint=checkpoint)
+with torch.no_grad():
+    out = booted(*hf_inputs())[0]
+print(json.dumps({"compiled": booted.compiled, "confirmation": booted.confirmation, "out": out.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_a_transformers_model_boots_in_another_process_on_a_save_pretrained_checkpoint(store, tmp_path, name):
+    """GPT-2 (tied LM head) and BERT (non-persistent buffers), checkpoint of another seed, fresh cache, subprocess."""
+    from tests.support.hf_archives import hf_archive, hf_inputs, tiny_hf_model
+
+    archive = hf_archive(name)
+    family, repo = f"hf-{name}", f"acme/{unique_repo()}"
+    token = store.mint("mint-child", f"{repo}:read,write")
+    envelope = {"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1]}
+    with Client(store.base_url, token, cache_dir=tmp_path / "mint-cache") as client:
+        client.publish(repo, archive, family=family, envelope=envelope, toolchain=environment_toolchain(),
+                       sm=environment_sm("cpu"), code=code_fingerprint(tiny_hf_model(name)))
+    trained = tiny_hf_model(name, seed=1)
+    trained.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    worker = subprocess.run(
+        [sys.executable, "-c", HF_WORKER, store.base_url, token, str(tmp_path / "worker-cache"), name,
+         str(tmp_path / "ckpt" / "model.safetensors"), family],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+    )
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    answer = json.loads(worker.stdout.strip().splitlines()[-1])
+    assert answer["compiled"] and answer["confirmation"] == "confirmed"
+    with torch.no_grad():
+        expected = trained(*hf_inputs())[0]
+    # AOTI's fused kernels round differently from eager: equal to float32 precision, not bit for bit.
+    torch.testing.assert_close(torch.tensor(answer["out"]), expected, rtol=1e-5, atol=1e-5)
