@@ -39,6 +39,7 @@ Pure Python: torch is imported only by :func:`signature_from_module`.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,9 @@ __all__ = [
     "code_fingerprint",
     "discovery_digest",
     "fingerprint_from_digests",
+    "is_binding_signature",
+    "is_code_fingerprint",
+    "is_release",
     "from_checkpoint",
     "signature_from_module",
     "signature_from_table",
@@ -62,8 +66,24 @@ __all__ = [
 
 BINDING_SIGNATURE_PREFIX = "bs1:"
 CODE_FINGERPRINT_PREFIX = "cf1:"
+_BINDING_SIGNATURE_RE = re.compile(r"\Abs1:[0-9a-f]{64}\Z")
+_CODE_FINGERPRINT_RE = re.compile(r"\Acf1:[0-9a-f]{64}\Z")
+#: A release label is a name, spelled like a repo name (never normalized), up to 128 characters.
+_RELEASE_RE = re.compile(r"\A[a-z0-9][a-z0-9._-]{0,127}\Z", re.ASCII)
 #: Constants whose value a ``state_dict`` checkpoint carries.
 _CHECKPOINT_KINDS = frozenset({"PARAMETER", "BUFFER"})
+
+
+def is_binding_signature(value: object) -> bool:
+    return isinstance(value, str) and _BINDING_SIGNATURE_RE.match(value) is not None
+
+
+def is_code_fingerprint(value: object) -> bool:
+    return isinstance(value, str) and _CODE_FINGERPRINT_RE.match(value) is not None
+
+
+def is_release(value: object) -> bool:
+    return isinstance(value, str) and _RELEASE_RE.match(value) is not None
 
 
 def from_checkpoint(row: Mapping[str, Any]) -> bool:

@@ -444,6 +444,8 @@ class Client:
         components: Mapping[str, str | os.PathLike[str]] | None = None,
         layout: Mapping[str, Any] | None = None,
         evidence: Mapping[str, Any] | None = None,
+        release: str | None = None,
+        code: str | None = None,
     ) -> Published:
         """Publish an archive (and its components) under its derived key; safe to call again after any failure.
 
@@ -451,6 +453,7 @@ class Client:
         repo lacks are uploaded. ``components=None`` publishes the mint's derived
         constants (``model.constants.safetensors`` beside the archive) when present.
         A key already holding other bytes raises :class:`Conflict` naming both digests.
+        ``release`` (a label) and ``code`` (``binding.code_fingerprint(model)``) are what discover can narrow to.
         """
         owner, name = split_repo(repo)
         report = inspect(archive_path)
@@ -466,6 +469,7 @@ class Client:
         manifest["components"] = [
             {"name": n, "digest": hashed[str(p)][0], "size": hashed[str(p)][1]} for n, p in sorted(named.items())
         ]
+        manifest["release"], manifest["code"] = release, code
         body = Manifest.model_validate(manifest).model_dump(mode="json", exclude_none=True)
         answer = _parsed(PublishAnswer, self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}",
                                                                json=body).content)

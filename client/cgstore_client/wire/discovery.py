@@ -17,14 +17,12 @@ from typing import Any
 
 from pydantic import Field
 
-from cgstore_client.wire.records import MAX_REASON_CHARS, ResolveHit, ToolchainAxis, _Wire
+from cgstore_client.wire.records import MAX_REASON_CHARS, MAX_RELEASE_CHARS, ResolveHit, ToolchainAxis, _Wire
 
 #: Candidates a discover answers when the caller does not say.
 DEFAULT_DISCOVER_LIMIT = 4
 #: The most candidates one discover answers.
 MAX_DISCOVER_LIMIT = 16
-#: Longest ``release`` label (validated as a name, like a repo name).
-MAX_RELEASE_CHARS = 128
 
 
 class DiscoverRequest(_Wire):

@@ -33,6 +33,8 @@ MAX_PAGE_BYTES = 1024 * 1024
 MAX_COMPONENTS = 64
 #: Longest yank reason kept.
 MAX_REASON_CHARS = 1000
+#: Longest ``release`` label (validated as a name, like a repo name: ``cgstore_client.binding.is_release``).
+MAX_RELEASE_CHARS = 128
 
 #: Deepest nesting of a free-form field (``evidence``'s documents, ``input_contract``): containers count.
 MAX_FREE_FORM_DEPTH = 16
@@ -135,6 +137,10 @@ class Manifest(_Wire):
     evidence: Evidence = Field(default_factory=Evidence)
     #: Optional: when given, it must equal the contract derived from the archive.
     input_contract: dict[str, Any] | None = None
+    #: Optional release label (endpoint release, image) discover can narrow to; a name, like a repo's.
+    release: str | None = Field(None, max_length=MAX_RELEASE_CHARS)
+    #: Optional ``cf1:`` code fingerprint of the model's source (``cgstore_client.binding.code_fingerprint``).
+    code: str | None = Field(None, max_length=100)
 
 
 class Publisher(_Wire):
@@ -176,6 +182,10 @@ class Record(_Wire):
     yank: Yank | None = None
     #: The publish receipt (``cgstore_client.receipts``); None only for records published before receipts.
     receipt: str | None = None
+    #: ``bs1:`` of the tensors bound from the checkpoint; None only for records published before discovery.
+    binding_signature: str | None = None
+    #: Workers' reports that this graph is not their live model (``…/{key}:report``); never yanks by itself.
+    drift_reports: int = 0
 
 
 class PublishAnswer(_Wire):

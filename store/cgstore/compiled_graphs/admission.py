@@ -12,8 +12,8 @@ Order (the first failing step answers):
    (``KEY_MISMATCH``; an envelope that cannot be canonicalized, e.g. without
    ``text_len``, is ``ENVELOPE_INVALID``: no key can be derived from it);
 2. kind and format (``KIND_RETIRED`` by name, else ``KIND_UNSUPPORTED``);
-3. family, lane, layout and component names (``NAME_INVALID``,
-   ``METADATA_INVALID`` for a malformed lane, ``DIGEST_INVALID``), then what
+3. family, lane, layout, component names and release (``NAME_INVALID``,
+   ``METADATA_INVALID`` for a malformed lane or code fingerprint, ``DIGEST_INVALID``), then what
    must serialize in every later read (``METADATA_INVALID``: a free-form field
    nesting past ``MAX_FREE_FORM_DEPTH`` or larger than ``MAX_FREE_FORM_BYTES``,
    a string in one that is not valid Unicode);
@@ -39,11 +39,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from cgstore_client.archive import DEFAULT_LIMITS, ArchiveError, ArchiveReport, inspect
+from cgstore_client.binding import discovery_digest, from_checkpoint, is_code_fingerprint, is_release
 from cgstore_client.components import ComponentHeader, ComponentInvalid, header_length, read_header
 from cgstore_client.errors import EnvelopeError, KeyInvalid as ClientKeyInvalid, ToolchainError
 from cgstore_client.keys import Envelope, Toolchain, ck1, digest, is_digest, validate_key, validate_sm
 from cgstore_client.metadata import KIND_AOT_INDUCTOR, KIND_RETIRED_INDUCTOR_CACHE, is_lane
-from cgstore_client.wire.records import Manifest, unservable
+from cgstore_client.wire.records import Manifest, ToolchainAxis, unservable
 
 from cgstore.core.errors import (
     ArtifactInvalid,
@@ -66,8 +67,6 @@ SOURCE_CHECKPOINT = "checkpoint"
 COMPONENT_SOURCE_PREFIX = "component:"
 _FAMILY_RE = re.compile(r"\A[a-z0-9][a-z0-9._-]{0,99}\Z", re.ASCII)
 _COMPONENT_NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9._-]{0,127}\Z", re.ASCII)
-#: Constants whose value the checkpoint (the state_dict) carries.
-_CHECKPOINT_KINDS = frozenset({"PARAMETER", "BUFFER"})
 
 
 @dataclass(frozen=True)
@@ -107,22 +106,52 @@ def check_manifest(key: str, manifest: Manifest) -> Derived:
 
 def _derive(manifest: Manifest) -> Derived:
     axes = manifest.axes
+    derived = derive_axes(axes.envelope, axes.sm, axes.toolchain)
+    if not is_digest(axes.graph):
+        raise KeyMismatch(f"no key can be derived from the axes: graph digest {axes.graph!r} is not 'blake3:' + 64 hex")
+    return derived
+
+
+def derive_axes(envelope: Mapping[str, Any], sm: str, toolchain: ToolchainAxis) -> Derived:
+    """The envelope, sm and toolchain axes canonicalized, as publish and discover both read them.
+
+    An envelope that cannot be canonicalized is ``ENVELOPE_INVALID``; a bad sm or
+    toolchain is ``KEY_MISMATCH`` (no key can be derived from them).
+    """
     try:
-        envelope = Envelope.from_dict(axes.envelope)
+        canonical = Envelope.from_dict(envelope)
     except EnvelopeError as exc:
         raise EnvelopeInvalid(f"envelope: {exc}") from None
-    overlap = set(axes.toolchain.components) & set(axes.toolchain.recorded)
+    overlap = set(toolchain.components) & set(toolchain.recorded)
     if overlap:
         raise KeyMismatch(f"toolchain components named both keyed and recorded: {sorted(overlap)}")
     try:
         # One mapping, classified by the client: a keyed component sent as "recorded" is keyed anyway.
-        toolchain = Toolchain({**axes.toolchain.components, **axes.toolchain.recorded})
-        validate_sm(axes.sm)
-        if not is_digest(axes.graph):
-            raise ClientKeyInvalid(f"graph digest {axes.graph!r} is not 'blake3:' + 64 hex")
+        stack = Toolchain({**toolchain.components, **toolchain.recorded})
+        validate_sm(sm)
     except (ToolchainError, ClientKeyInvalid, ValueError) as exc:
         raise KeyMismatch(f"no key can be derived from the axes: {exc}") from None
-    return Derived(envelope, toolchain)
+    return Derived(canonical, stack)
+
+
+def discovery_of(family: str, sm: str, derived: Derived) -> str:
+    """The discovery digest of a declaration (``cgstore_client.binding``): what discover matches records on."""
+    return discovery_digest(family, derived.envelope.digest, sm, derived.toolchain.digest, derived.toolchain.recorded)
+
+
+def check_family(family: str) -> None:
+    if not _FAMILY_RE.match(family):
+        raise NameInvalid("family must match [a-z0-9][a-z0-9._-]{0,99}", family=family)
+
+
+def check_release(release: str | None) -> None:
+    if release is not None and not is_release(release):
+        raise NameInvalid("release must match [a-z0-9][a-z0-9._-]{0,127}", release=release)
+
+
+def check_code(code: str | None) -> None:
+    if code is not None and not is_code_fingerprint(code):
+        raise MetadataInvalid("code must be 'cf1:' + 64 lowercase hex (cgstore_client.binding)", code=code)
 
 
 def _check_kind(manifest: Manifest) -> None:
@@ -138,8 +167,7 @@ def _check_kind(manifest: Manifest) -> None:
 
 
 def _check_names(manifest: Manifest) -> None:
-    if not _FAMILY_RE.match(manifest.family):
-        raise NameInvalid("family must match [a-z0-9][a-z0-9._-]{0,99}", family=manifest.family)
+    check_family(manifest.family)
     if not is_lane(manifest.lane):
         raise MetadataInvalid("lane must be <linear>+<modulation>", lane=manifest.lane)
     digests = [manifest.artifact.digest, *(c.digest for c in manifest.components)]
@@ -154,6 +182,8 @@ def _check_names(manifest: Manifest) -> None:
             raise NameInvalid("component names match [a-z0-9][a-z0-9._-]{0,127}", component=name)
     if len(set(names)) != len(names):
         raise NameInvalid("component names must be unique within a record", components=names)
+    check_release(manifest.release)
+    check_code(manifest.code)
 
 
 def _check_servable(manifest: Manifest) -> None:
@@ -237,7 +267,7 @@ def bind(report: ArchiveReport, headers: Mapping[str, ComponentHeader]) -> list[
     from_component = _component_bindings(constants, headers)
     table, unbound = [], []
     for row in report.binding_table:
-        source = from_component.get(row["fqn"]) or (SOURCE_CHECKPOINT if _in_checkpoint(row) else None)
+        source = from_component.get(row["fqn"]) or (SOURCE_CHECKPOINT if from_checkpoint(row) else None)
         if source is None:
             unbound.append(row["fqn"])
             continue
@@ -252,11 +282,6 @@ def bind(report: ArchiveReport, headers: Mapping[str, ComponentHeader]) -> list[
             constants=unbound,
         )
     return table
-
-
-def _in_checkpoint(row: Mapping[str, Any]) -> bool:
-    # Parameters and persistent buffers are the state_dict; a non-persistent buffer is not in it.
-    return row["kind"] in _CHECKPOINT_KINDS and row.get("persistent", "true") == "true" and row["binding"] == "DYNAMIC"
 
 
 def _component_bindings(

@@ -66,6 +66,12 @@ class CompiledGraph(Base):
       receipt               the signed publish receipt (compiled_graphs/receipts.py), answered with the record.
       receipt_kid           the key that signed the receipt (re-signed when that key retires).
       scope                 write-once scope: '' (the repo), or the publisher in a private cache.
+      discovery_digest      what discover matches a declaration on (cgstore_client.binding.discovery_digest):
+                            family, envelope, sm, keyed toolchain and the model libraries' versions.
+      binding_signature     bs1: the tensors bound from the checkpoint (NULL: published before 0012).
+      release               the publisher's release label (endpoint release, image), or NULL.
+      code_fingerprint      cf1: the model's source files, as the publisher declared it, or NULL.
+      drift_reports         how many times a worker reported serving this graph drifted from its live model.
     """
 
     __tablename__ = "compiled_graphs"
@@ -78,6 +84,9 @@ class CompiledGraph(Base):
         # Listing: keyset pagination by id within a repo (optionally one family).
         Index("ix_compiled_graphs_list", "repo_id", "id", sqlite_where=_LIVE, postgresql_where=_LIVE),
         Index("ix_compiled_graphs_list_family", "repo_id", "family", "id",
+              sqlite_where=_LIVE, postgresql_where=_LIVE),
+        # Discover: every match shares the digest; the optional filters narrow within it.
+        Index("ix_compiled_graphs_discover", "discovery_digest", "binding_signature", "release",
               sqlite_where=_LIVE, postgresql_where=_LIVE),
         # The admin views' unhealthy records: few rows, found without a scan.
         Index("ix_compiled_graphs_unhealthy", "id", sqlite_where=_UNHEALTHY, postgresql_where=_UNHEALTHY),
@@ -119,6 +128,11 @@ class CompiledGraph(Base):
     receipt: Mapped[str | None] = mapped_column(Text, nullable=True)
     receipt_kid: Mapped[str | None] = mapped_column(String(16), nullable=True, index=True)
     scope: Mapped[str] = mapped_column(String(200), nullable=False, default="")
+    discovery_digest: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    binding_signature: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    release: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    code_fingerprint: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    drift_reports: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default=text("0"))
 
 
 class CompiledGraphComponent(Base):

@@ -10,9 +10,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from cgstore_client.wire.discovery import DiscoverAnswer, DiscoverRequest, DriftReport
 from cgstore_client.wire.records import (
     DEFAULT_LIST_LIMIT,
     MAX_LIST_LIMIT,
+    MAX_RELEASE_CHARS,
     Manifest,
     PublishAnswer,
     Record,
@@ -71,13 +73,15 @@ async def list_records(
     family: str | None = Query(None, max_length=100),
     sm: str | None = Query(None, max_length=128),
     lane: str | None = Query(None, max_length=64),
+    release: str | None = Query(None, max_length=MAX_RELEASE_CHARS),
     cursor: str | None = Query(None, max_length=CURSOR_LEN),
     limit: int = Query(DEFAULT_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """The repo's live records, newest first, paged."""
     page = await run_in_threadpool(
-        service.list_records, ctx, claims, owner, repo, family=family, sm=sm, lane=lane, cursor=cursor, limit=limit
+        service.list_records, ctx, claims, owner, repo, family=family, sm=sm, lane=lane, cursor=cursor, limit=limit,
+        release=release,
     )
     return _json(page)
 
@@ -90,6 +94,16 @@ async def yank(
     """Take a record out of resolve, with a reason (admin)."""
     body = await read_json(request, YankRequest, ctx.settings.max_json_bytes)
     return _json(await run_in_threadpool(service.yank, ctx, claims, owner, repo, key, body.reason, body.publisher))
+
+
+@repo_router.post("/{key}:report", response_model=Record, openapi_extra=json_body(DriftReport))
+async def report_drift(
+    owner: str, repo: str, key: str, request: Request,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    """Report that a served graph is not the live model (any reader; counted and audited, never yanks)."""
+    body = await read_json(request, DriftReport, ctx.settings.max_json_bytes)
+    return _json(await run_in_threadpool(service.report_drift, ctx, claims, owner, repo, key, body))
 
 
 @resolve_router.post("/compiled-graphs:resolve", response_model=ResolveAnswer, openapi_extra=json_body(ResolveRequest))
@@ -113,3 +127,15 @@ def _url_builder(ctx: StoreContext, base_url: str) -> service.UrlsFor:
 
         return presigned
     return lambda refs: {ref: f"{base_url}/v1/repos/{ref[0]}/{ref[1]}/blobs/{ref[2]}" for ref in refs}
+
+
+@resolve_router.post(
+    "/compiled-graphs:discover", response_model=DiscoverAnswer, openapi_extra=json_body(DiscoverRequest)
+)
+async def discover(
+    request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+) -> Response:
+    """Find live records by declaration (family, envelope, sm, toolchain), without a ck1 key: best first."""
+    query = await read_json(request, DiscoverRequest, ctx.settings.max_json_bytes)
+    urls_for = _url_builder(ctx, str(request.base_url).rstrip("/"))
+    return Response(await run_in_threadpool(service.discover, ctx, claims, query, urls_for), media_type=_JSON)

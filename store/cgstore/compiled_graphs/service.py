@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from cgstore_client.binding import is_binding_signature, signature_from_table
 from cgstore_client.components import ComponentHeader
 from cgstore_client.keys import is_key
+from cgstore_client.wire.discovery import DiscoverRequest, DriftReport
 from cgstore_client.wire.records import (
     MAX_LIST_LIMIT,
     MAX_PAGE_BYTES,
@@ -48,11 +51,12 @@ from cgstore_client.wire.records import (
     Yank,
 )
 from pydantic_core import to_json
-from sqlalchemy import ColumnElement, delete, exists, or_, select, update
+from sqlalchemy import ColumnElement, delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from cgstore import access
 from cgstore.audit.denials import audit_refusal
+from cgstore.audit.models import AuditEvent
 from cgstore.audit.service import record as audit
 from cgstore.blobs.models import Blob
 from cgstore.blobs.service import held_blobs, hold_blobs
@@ -66,7 +70,9 @@ from cgstore.core.errors import (
     Conflict,
     KeyConflict,
     KeyInvalid,
+    MetadataInvalid,
     NameUnknown,
+    RateLimited,
     SizeInvalid,
     StoreError,
     Unavailable,
@@ -84,6 +90,7 @@ ACTION_PUBLISH = "compiled_graph.publish"
 #: Statuses of a publish refused for what it sent (KEY_MISMATCH, ARTIFACT_INVALID, METADATA_INVALID, …).
 REFUSED_INPUT_STATUSES = (400, 422)
 ACTION_YANK = "compiled_graph.yank"
+ACTION_REPORT = "compiled_graph.report"
 
 #: A blob of a repo: ``(owner, repo, digest)``.
 BlobRef = tuple[str, str, str]
@@ -200,6 +207,11 @@ def _new_row(
         scope=access.private_reader(claims, target.visibility) or "",
         created_at=utcnow(),
         health=HEALTH_OK,
+        discovery_digest=admission.discovery_of(manifest.family, manifest.axes.sm, derived),
+        binding_signature=signature_from_table(report.binding_table, report.metadata.ties),
+        release=manifest.release,
+        code_fingerprint=manifest.code,
+        drift_reports=0,
     )
 
 
@@ -323,24 +335,33 @@ def _visible(query, claims: Claims, target: Repo):
 
 def get_record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str) -> Record:
     with ctx.db.session() as session:
-        target = _readable(session, ctx, claims, owner, repo, key)
-        live = None
-        if is_key(key):
-            live = session.scalar(_visible(_live(target.id, key), claims, target).limit(1))
-            # Only an id: a hidden miss loads no more than an absent one, so it takes no longer.
-            any_live_id = _live(target.id, key).with_only_columns(CompiledGraph.id).limit(1)
-            if live is None and session.scalar(any_live_id) is not None:
-                # Another principal's record in a private cache: the absent miss, audited as a denial.
-                raise hidden_miss(NameUnknown, "no such compiled graph", key=key[:120])
-        if live is None:
-            raise NameUnknown("no such compiled graph", key=key[:120])
+        target, live = _readable_record(session, ctx, claims, owner, repo, key)
         components = _components_of(session, [live.id])
     return to_record(target, live, components.get(live.id, []))
+
+
+def _readable_record(
+    session: Session, ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str
+) -> tuple[Repo, CompiledGraph]:
+    """The live record of ``key`` the caller may read; else the one 404 an absent key gets."""
+    target = _readable(session, ctx, claims, owner, repo, key)
+    live = None
+    if is_key(key):
+        live = session.scalar(_visible(_live(target.id, key), claims, target).limit(1))
+        # Only an id: a hidden miss loads no more than an absent one, so it takes no longer.
+        any_live_id = _live(target.id, key).with_only_columns(CompiledGraph.id).limit(1)
+        if live is None and session.scalar(any_live_id) is not None:
+            # Another principal's record in a private cache: the absent miss, audited as a denial.
+            raise hidden_miss(NameUnknown, "no such compiled graph", key=key[:120])
+    if live is None:
+        raise NameUnknown("no such compiled graph", key=key[:120])
+    return target, live
 
 
 def list_records(
     ctx: StoreContext, claims: Claims, owner: str, repo: str, *,
     family: str | None, sm: str | None, lane: str | None, cursor: str | None, limit: int,
+    release: str | None = None,
 ) -> RecordPage:
     """Live records of a repo, oldest first, keyset-paginated by id; ``cursor`` is opaque (``core.cursors``).
 
@@ -357,7 +378,9 @@ def list_records(
         query = select(CompiledGraph).where(
             CompiledGraph.repo_id == target.id, CompiledGraph.yanked_at.is_(None), CompiledGraph.id > after
         )
-        for column, value in ((CompiledGraph.family, family), (CompiledGraph.sm, sm), (CompiledGraph.lane, lane)):
+        filters = ((CompiledGraph.family, family), (CompiledGraph.sm, sm), (CompiledGraph.lane, lane),
+                   (CompiledGraph.release, release))
+        for column, value in filters:
             if value is not None:
                 query = query.where(column == value)
         # limit + 1: the extra row only tells whether a next page exists.
@@ -430,6 +453,8 @@ def to_record(target: Repo, row: CompiledGraph, components: list[CompiledGraphCo
         components=[ComponentRef(name=c.name, digest=c.digest, size=c.size) for c in components],
         layout=layout,
         evidence=Evidence(kernel_lane_evidence=row.kernel_lane_evidence, mint_phases=row.mint_phases),
+        release=row.release,
+        code=row.code_fingerprint,
     )
     yank = Yank(at=row.yanked_at, by=row.yanked_by, reason=row.yank_reason) if row.yanked_at else None
     return Record(
@@ -437,6 +462,7 @@ def to_record(target: Repo, row: CompiledGraph, components: list[CompiledGraphCo
         input_contract=row.input_contract, binding_table=[Binding(**b) for b in row.binding_table],
         kernel_lane=row.kernel_lane, publisher=Publisher(principal=row.publisher, jti=row.publisher_jti),
         created_at=row.created_at, health=row.health, yank=yank, receipt=row.receipt,
+        binding_signature=row.binding_signature, drift_reports=row.drift_reports,
     )
 
 
@@ -582,10 +608,13 @@ def _blob_refs(rows: Iterable, components: dict[int, list[tuple[str, str, int]]]
 
 
 def _answer(key: str, row, components: dict[int, list[tuple[str, str, int]]], urls: dict[BlobRef, str]) -> dict:
-    """One hit as plain data, keys in the wire types' field order (``ResolveHit``, ``ComponentDownload``)."""
+    """One hit as plain data, keys in the wire types' field order (``ResolveHit``, ``ComponentDownload``).
+
+    ``row`` starts with ``_RESOLVE_COLUMNS`` (discover's rows carry more after them).
+    """
     (record_id, record_key, kind, format_, family, lane, sm, graph, envelope_digest, toolchain_digest,
      layout_display, layout_topology, layout_quant, created_at, _, artifact_digest, artifact_size, receipt,
-     owner, name, _, _) = row
+     owner, name, _, _) = row[:len(_RESOLVE_COLUMNS)]
     layout = None
     if layout_display is not None:
         layout = {"display": layout_display, "topology": layout_topology, "quant": layout_quant}
@@ -607,6 +636,103 @@ def _answer(key: str, row, components: dict[int, list[tuple[str, str, int]]], ur
         ],
         "receipt": receipt,
     }
+
+
+# -- discover --------------------------------------------------------------------------------
+
+
+def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_for: UrlsFor) -> bytes:
+    """The live records matching a declaration, best first, in resolve's hit shape; the answer's JSON.
+
+    Visibility and ranking are resolve's (``_best_readable``): per key the
+    best-ranked readable record, then keys ordered by that rank, newest first.
+    Two statements whatever the table holds (the records through
+    ``ix_compiled_graphs_discover``, then the chosen ones' components); an
+    answer with nothing readable is the same bytes as one with nothing at all.
+    """
+    admission.check_family(request.family)
+    derived = admission.derive_axes(request.envelope, request.sm, request.toolchain)
+    admission.check_release(request.release)
+    admission.check_code(request.code)
+    if request.binding_signature is not None and not is_binding_signature(request.binding_signature):
+        raise MetadataInvalid("binding_signature must be 'bs1:' + 64 lowercase hex (cgstore_client.binding)",
+                              binding_signature=request.binding_signature)
+    with ctx.db.session() as session:
+        candidates = session.connection().execute(_discover_query(request, admission.discovery_of(
+            request.family, request.sm, derived))).all()
+        best = _best_readable(ctx, claims, candidates)
+        ranks = {row.key: access.resolve_rank(claims, row.owner, row.name, holder=row.holder) for row in best.values()}
+        chosen = sorted(best.values(), key=lambda row: (ranks[row.key], -row.id))[:request.limit]
+        components = _component_rows(session, [row.id for row in chosen])
+    urls = urls_for(_blob_refs(chosen, components))
+    found = [{**_answer(row.key, row, components, urls), "binding_signature": row.binding_signature,
+              "release": row.release} for row in chosen]
+    return to_json({"candidates": found})  # built in ``DiscoverAnswer``'s field order, as resolve's answer is
+
+
+def _discover_query(request: DiscoverRequest, digest: str):
+    query = (
+        select(*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release)
+        .join(Repo, Repo.id == CompiledGraph.repo_id)
+        .outerjoin(Owner, Owner.slug == Repo.owner)
+        .join(Blob, Blob.digest == CompiledGraph.artifact_digest)
+        .where(
+            CompiledGraph.discovery_digest == digest,
+            CompiledGraph.yanked_at.is_(None),
+            CompiledGraph.health == HEALTH_OK,
+        )
+    )
+    if request.release is not None:
+        query = query.where(CompiledGraph.release == request.release)
+    if request.binding_signature is not None:
+        query = query.where(CompiledGraph.binding_signature == request.binding_signature)
+    if request.code is not None:  # only records that recorded their code can differ from it
+        query = query.where(or_(CompiledGraph.code_fingerprint.is_(None), CompiledGraph.code_fingerprint == request.code))
+    return query
+
+
+# -- drift reports ------------------------------------------------------------------------------
+
+#: Drift reports one token may make per ``REPORT_WINDOW_S`` (beyond: 429, ``Retry-After``).
+REPORTS_PER_WINDOW = 10
+REPORT_WINDOW_S = 60
+
+
+def report_drift(
+    ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, report: DriftReport
+) -> Record:
+    """Count a worker's report that the record's graph is not its live model; audited, never yanks.
+
+    Any token that can read the record may report (others get the 404 an absent
+    key gets). The rate limit counts the token's report entries in the audit
+    log, after appending its own: appends are serialized by the chain head, so
+    racing reports cannot all slip under the limit, and a refused one leaves
+    nothing (its transaction rolls back).
+    """
+    with ctx.db.session() as session:
+        target, live = _readable_record(session, ctx, claims, owner, repo, key)
+        session.execute(update(CompiledGraph).where(CompiledGraph.id == live.id)
+                        .values(drift_reports=CompiledGraph.drift_reports + 1))
+        audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_REPORT, target=f"{owner}/{repo}:{key}",
+              repo=f"{owner}/{repo}",
+              detail={"measured_graph": report.measured_graph, "reason": report.reason,
+                      "graph": live.graph_digest, "publisher": live.publisher})
+        _within_report_limit(session, claims)
+        session.refresh(live)
+        components = _components_of(session, [live.id])
+    return to_record(target, live, components.get(live.id, []))
+
+
+def _within_report_limit(session: Session, claims: Claims) -> None:
+    since = utcnow() - dt.timedelta(seconds=REPORT_WINDOW_S)
+    made, oldest = session.execute(
+        select(func.count(), func.min(AuditEvent.at))
+        .where(AuditEvent.jti == claims.jti, AuditEvent.action == ACTION_REPORT, AuditEvent.at >= since)
+    ).one()
+    if made > REPORTS_PER_WINDOW:
+        wait = REPORT_WINDOW_S - (utcnow() - oldest).total_seconds()
+        raise RateLimited(f"at most {REPORTS_PER_WINDOW} drift reports per token per {REPORT_WINDOW_S} s",
+                          retry_after_s=max(1, math.ceil(wait)), limit=REPORTS_PER_WINDOW)
 
 
 # -- garbage collection's view of records -----------------------------------------------------

@@ -125,6 +125,23 @@ class Unavailable(StoreError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+class RateLimited(StoreError):
+    """Too many requests of one kind from one token: retry after ``retry_after_s``.
+
+    The protocol has no rate-limit code; ``UNAVAILABLE`` is its "retry later",
+    and the status (429, not 503) says the store itself is fine.
+    """
+
+    code, status = "UNAVAILABLE", 429
+
+    def __init__(self, message: str, *, retry_after_s: int, **detail: Any) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, **detail)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
 class BlobReferenceUnknown(BlobUnknown):
     """A manifest names a blob this repo does not hold: the request is wrong, not the URL (400)."""
 
