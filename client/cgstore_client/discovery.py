@@ -287,10 +287,8 @@ def _miss_reason(client: Client, request: DiscoverRequest, model) -> str:
 
 
 def _tensor_differences(table: list[Mapping[str, Any]], model) -> str:
-    """What the binding signatures hash, compared name by name: the checkpoint's rows against the live state."""
-    from cgstore_client.binding import from_checkpoint
-
-    recorded = {row["fqn"]: (row["dtype"], list(row["shape"])) for row in table if from_checkpoint(row)}
+    """What the binding signatures hash, compared name by name: the record's checkpoint rows against the live state."""
+    recorded = {row["fqn"]: (row["dtype"], list(row["shape"] or [])) for row in table if row["source"] == "checkpoint"}
     live = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in model.state_dict().items()}
     differences = [f"{name} is {live[name]}, recorded {recorded[name]}"
                    for name in sorted(live.keys() & recorded.keys()) if live[name] != recorded[name]]
