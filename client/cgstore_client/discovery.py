@@ -100,10 +100,11 @@ class Booted:
         self._settled.wait(timeout)
         return self.confirmation
 
-    def _settle(self, confirmation: str, eager_reason: str | None = None) -> None:
-        if eager_reason is not None:
-            self._compiled = None
-            self.reason = eager_reason
+    def _go_eager(self, reason: str) -> None:
+        self._compiled = None
+        self.reason = reason
+
+    def _settle(self, confirmation: str) -> None:
         self.confirmation = confirmation
         self._settled.set()
 
@@ -194,7 +195,7 @@ def boot(
     if booted.compiled and confirm != "never" and example_inputs is not None:
         _start_confirmation(client, booted, model, example_inputs, background=confirm == "background")
         if confirm == "before" and booted.confirmation == SKIPPED:  # the export failed: nothing confirmed it
-            booted._settle(SKIPPED, f"{UNCONFIRMED}: the live model could not be exported to confirm the graph")
+            booted._go_eager(f"{UNCONFIRMED}: the live model could not be exported to confirm the graph")
     if mandatory and not booted.compiled:
         raise CompiledRequired({family: booted.reason or reasons.MISS})
     return booted
@@ -325,9 +326,10 @@ def _confirm(client: Client, booted: Booted, model, example_inputs) -> None:
         booted._settle(CONFIRMED)
         return
     reason = f"{DRIFT}: the live model's graph is {measured}, the record's {recorded}"
+    booted._go_eager(reason)  # at once; the report below may wait on retries
     log.warning("cgstore: %s from %s serves eager from now on: %s", loaded.key, loaded.repo, reason)
-    booted._settle(DRIFT, reason)
     _report(client, loaded, measured, reason)
+    booted._settle(DRIFT)
 
 
 def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str:

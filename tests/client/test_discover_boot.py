@@ -101,6 +101,8 @@ def test_a_patched_forward_is_served_then_switched_to_eager_when_background_conf
         assert booted.compiled  # the structural gate cannot tell: same names, dtypes, shapes
         assert same_outputs(booted, compiled_twin) or booted.confirmation == "drift"
         assert booted.wait_confirmed(CONFIRM_TIMEOUT_S) == "drift"
+        record = client.transport.request("GET", f"/v1/repos/{repo}/compiled-graphs/{key}").json()
+    assert record["drift_reports"] == 1  # the store was told
     assert not booted.compiled and booted.reason.startswith("drift") and graph in booted.reason
     assert booted.loaded.key == key and same_outputs(booted, live)
     assert any("serves eager from now on" in r.getMessage() for r in caplog.records)
@@ -239,3 +241,27 @@ def test_a_transformers_model_boots_in_another_process_on_a_save_pretrained_chec
         expected = trained(*hf_inputs())[0]
     # AOTI's fused kernels round differently from eager: equal to float32 precision, not bit for bit.
     torch.testing.assert_close(torch.tensor(answer["out"]), expected, rtol=1e-5, atol=1e-5)
+
+
+def unexportable(model):
+    """A forward that branches on a tensor's value: it runs eagerly, ``torch.export`` refuses it."""
+    forward = model.forward
+
+    def branching(inputs, offset):
+        return forward(inputs, offset) if float(offset.sum()) < 1e9 else forward(inputs, -offset)
+
+    model.forward = branching
+    return model
+
+
+def test_a_model_that_cannot_be_exported_is_unconfirmed_served_eager_before_and_compiled_in_the_background(
+    store, declared, tmp_path
+):
+    _, token, _, _ = declared
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        before = boot(client, unexportable(tiny_model(seed=3)), code=False, confirm="before",
+                      example_inputs=tiny_inputs())
+        background = boot(client, unexportable(tiny_model(seed=3)), code=False, example_inputs=tiny_inputs())
+        assert background.wait_confirmed(CONFIRM_TIMEOUT_S) == "skipped"
+    assert not before.compiled and before.reason.startswith("unconfirmed") and before.confirmation == "skipped"
+    assert background.compiled and background.reason is None
