@@ -16,10 +16,9 @@ import sys
 
 import pytest
 import torch
-from cgstore_client import Client, CompiledRequired
+from cgstore_client import Booted, Client, CompiledRequired
 from cgstore_client.archive import inspect
 from cgstore_client.binding import code_fingerprint
-from cgstore_client.discovery import Booted
 from cgstore_client.keys import Envelope
 from cgstore_client.mint import derived_constants_path, environment_sm, environment_toolchain
 
