@@ -1,7 +1,7 @@
 """Time to a first compiled call: compiling locally, loading by exact key, booting by declaration.
 
-    python bench/boot.py                      # the small MLP
-    python bench/boot.py --models mlp gpt2 bert   # + GPT-2 and BERT tiny configs (transformers)
+    python bench/boot.py                      # the small MLP, GPT-2 and BERT tiny configs (~2 min)
+    python bench/boot.py --models mlp --reps 1    # a quick check
 
 Starts its own PostgreSQL database, moto_server and the store (PostgreSQL + S3)
 as a separate process, and stops them afterwards. Per model, each path ends
@@ -42,6 +42,8 @@ from cgstore_client.mint import derived_constants_path, environment_sm, environm
 from _common import emit_result, log, production_stack
 from client import small_model
 
+from tests.support.hf_archives import hf_inputs, tiny_hf_model
+
 OWNER = "bench"
 ENVELOPE = {"shapes": [[64, 64]], "text_len": 0}
 RELEASE = "bench-release"
@@ -52,29 +54,19 @@ def mlp() -> tuple[torch.nn.Module, tuple]:
     return small_model(), (torch.randn(4, 64),)
 
 
-def gpt2() -> tuple[torch.nn.Module, tuple]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=False)
-    return GPT2LMHeadModel(config).eval(), (torch.randint(0, 128, (1, 8)),)
+def transformers_model(name: str) -> Callable[[], tuple[torch.nn.Module, tuple]]:
+    """GPT-2 (tied LM head) or BERT (non-persistent buffers) in the tests' tiny configs."""
+    return lambda: (tiny_hf_model(name), hf_inputs())
 
 
-def bert() -> tuple[torch.nn.Module, tuple]:
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=32)
-    return BertModel(config).eval(), (torch.randint(0, 128, (1, 8)),)
-
-
-MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {"mlp": mlp, "gpt2": gpt2, "bert": bert}
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
+    "mlp": mlp, "gpt2": transformers_model("gpt2"), "bert": transformers_model("bert"),
+}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["mlp"])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--reps", type=int, default=3, help="cold boots per path and model (default 3)")
     return parser.parse_args()
 
