@@ -61,6 +61,8 @@ class RecordSummary(_Wire):
     artifact_digest: str
     artifact_size: int
     created_at: dt.datetime
+    #: Workers' reports that this graph is not their live model (``…/{key}:report``).
+    drift_reports: int = 0
 
 
 class AdminStats(_Wire):
@@ -76,3 +78,6 @@ class AdminStats(_Wire):
                                              max_length=STATS_RECENT)
     unhealthy: list[RecordSummary] = Field(description="Newest live records the scrub took out of resolve.",
                                            max_length=STATS_RECENT)
+    drift_reports: int = Field(0, description="Drift reports over live records.")
+    drifting: list[RecordSummary] = Field(default_factory=list, max_length=STATS_RECENT,
+                                          description="Live records with drift reports, most reported first.")

@@ -75,8 +75,9 @@ def ls(
 
 def _summary_table(title: str | None, summaries: Sequence[RecordSummary]) -> Table:
     return _table(
-        title, ("repo", "key", "family", "sm", "lane", "health", "publisher", "created (UTC)"),
-        ((s.repo, s.key, s.family, s.sm, s.lane, s.health, s.publisher, _when(s.created_at)) for s in summaries),
+        title, ("repo", "key", "family", "sm", "lane", "health", "drift", "publisher", "created (UTC)"),
+        ((s.repo, s.key, s.family, s.sm, s.lane, s.health, str(s.drift_reports), s.publisher, _when(s.created_at))
+         for s in summaries),
     )
 
 
@@ -106,6 +107,8 @@ def _record_table(record: Record) -> Table:
         ("artifact", f"{manifest.artifact.digest}  {manifest.artifact.size} bytes"),
         *((f"component {c.name}", f"{c.digest}  {c.size} bytes") for c in manifest.components),
         ("publisher", record.publisher.principal), ("created (UTC)", _when(record.created_at)),
+        ("release", record.manifest.release or "-"), ("binding signature", record.binding_signature or "-"),
+        ("drift reports", str(record.drift_reports)),
     ]
     return _table(None, ("field", "value"), rows)
 
@@ -134,6 +137,7 @@ def _print_stats(facts: AdminStats) -> None:
     console.print(_entries_table("recent conflicts", facts.recent_conflicts))
     console.print(_entries_table("recent denials", facts.recent_denials))
     console.print(_summary_table(f"unhealthy records ({len(facts.unhealthy)} newest)", facts.unhealthy))
+    console.print(_summary_table(f"drift reports: {facts.drift_reports} (most reported records)", facts.drifting))
 
 
 def _entries_table(title: str, entries: Sequence[AuditEntry]) -> Table:

@@ -72,6 +72,9 @@ def stats(session: Session) -> AdminStats:
         recent_denials=_recent(session, AuditEvent.outcome.not_in(["ok", KeyConflict.code])),
         unhealthy=_summaries(session, select(CompiledGraph, Repo).where(CompiledGraph.health != HEALTH_OK),
                              STATS_RECENT),
+        drift_reports=session.scalar(select(func.coalesce(func.sum(CompiledGraph.drift_reports), 0)).where(_LIVE)),
+        drifting=_summaries(session, select(CompiledGraph, Repo).where(CompiledGraph.drift_reports > 0),
+                            STATS_RECENT, most=CompiledGraph.drift_reports.desc()),
     )
 
 
@@ -102,15 +105,15 @@ def _recent(session: Session, condition) -> list:
     return [to_entry(event) for event in events]
 
 
-def _summaries(session: Session, query, limit: int) -> list[RecordSummary]:
-    rows = session.execute(
-        query.join(Repo, Repo.id == CompiledGraph.repo_id).where(_LIVE).order_by(CompiledGraph.id.desc()).limit(limit)
-    )
+def _summaries(session: Session, query, limit: int, most=None) -> list[RecordSummary]:
+    """Live records of ``query``, newest first (after ``most``, an ordering, when given)."""
+    order = [CompiledGraph.id.desc()] if most is None else [most, CompiledGraph.id.desc()]
+    rows = session.execute(query.join(Repo, Repo.id == CompiledGraph.repo_id).where(_LIVE).order_by(*order).limit(limit))
     return [
         RecordSummary(
             repo=f"{repo.owner}/{repo.name}", key=row.key, family=row.family, sm=row.sm, lane=row.lane,
             health=row.health, publisher=row.publisher, artifact_digest=row.artifact_digest,
-            artifact_size=row.artifact_size, created_at=row.created_at,
+            artifact_size=row.artifact_size, created_at=row.created_at, drift_reports=row.drift_reports,
         )
         for row, repo in rows
     ]

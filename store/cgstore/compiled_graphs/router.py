@@ -27,7 +27,7 @@ from cgstore_client.wire.records import (
 from cgstore.compiled_graphs import service
 from cgstore.context import StoreContext, get_context
 from cgstore.core.cursors import CURSOR_LEN
-from cgstore.core.http import json_body, read_json
+from cgstore.core.http import error_doc, json_body, read_json
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 
@@ -96,7 +96,10 @@ async def yank(
     return _json(await run_in_threadpool(service.yank, ctx, claims, owner, repo, key, body.reason, body.publisher))
 
 
-@repo_router.post("/{key}:report", response_model=Record, openapi_extra=json_body(DriftReport))
+@repo_router.post(
+    "/{key}:report", response_model=Record, openapi_extra=json_body(DriftReport),
+    responses={429: error_doc("too many reports from this token (UNAVAILABLE); retry after Retry-After seconds")},
+)
 async def report_drift(
     owner: str, repo: str, key: str, request: Request,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
@@ -130,7 +133,8 @@ def _url_builder(ctx: StoreContext, base_url: str) -> service.UrlsFor:
 
 
 @resolve_router.post(
-    "/compiled-graphs:discover", response_model=DiscoverAnswer, openapi_extra=json_body(DiscoverRequest)
+    "/compiled-graphs:discover", response_model=DiscoverAnswer, openapi_extra=json_body(DiscoverRequest),
+    responses={422: error_doc("a declaration no key could be derived from (ENVELOPE_INVALID, METADATA_INVALID)")},
 )
 async def discover(
     request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),

@@ -67,9 +67,16 @@ _ERROR_SCHEMA = {
         }
     },
 }
+
+
+def error_doc(description: str) -> dict[str, Any]:
+    """A ``responses=`` entry: a refusal with the error body (a route adds the statuses only it answers)."""
+    return {"description": description, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+
+
 #: ``FastAPI(responses=...)``: the statuses any route may refuse with, each with the error body.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"description": description, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    status: error_doc(description)
     for status, description in (
         (400, "malformed request (NAME_INVALID, DIGEST_INVALID, SIZE_INVALID, BAD_REQUEST, …)"),
         (401, "no token (UNAUTHORIZED) or a bad one (TOKEN_INVALID)"),
