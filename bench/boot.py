@@ -116,8 +116,8 @@ def bench_model(name: str, stack, token: str, scratch: Path, reps: int) -> dict[
     log(f"{name}: exact key (export + resolve + download + bind + call) best {min(exact):.2f}s of {exact}")
     log(f"{name}: discovery (discover + download + bind + call) best {min(discovered):.2f}s of {discovered};"
         f" background confirmation: {verdicts}")
-    return {"speedup_exact": round(compile_s / min(exact), 1), "speedup_discover": round(compile_s / min(discovered), 1),
-            "export_s": round(export_s, 3)}
+    return {"speedup_exact": round(compile_s / min(exact), 1),
+            "speedup_discover": round(compile_s / min(discovered), 1), "export_s": round(export_s, 3)}
 
 
 def compile_locally(model, inputs, path: Path) -> float:

@@ -195,7 +195,8 @@ def test_the_docs_boot_by_declaration_runs_as_written(make_store, pt2_archive, t
              "example_inputs": tiny_inputs(), "__name__": "docs"}
     exec(compile(code, "docs/client.md", "exec"), scope)  # noqa: S102 - the docs' own code
     booted = scope["booted"]
-    assert booted.compiled and booted.confirmation == "confirmed" and torch.equal(scope["y"], tiny_model(3)(*tiny_inputs()))
+    assert booted.compiled and booted.confirmation == "confirmed"
+    assert torch.equal(scope["y"], tiny_model(3)(*tiny_inputs()))
 
 
 HF_WORKER = """
