@@ -332,3 +332,27 @@ def test_drift_reports_show_in_admin_stats(store, published):
         stats = client.get("/v1/admin/stats").json()
     assert stats["drift_reports"] >= 1
     assert any(row["key"] == pub.key and row["drift_reports"] == 1 for row in stats["drifting"])
+
+
+def test_the_client_publishes_release_and_code_and_a_module_signature_finds_it(store, pt2_archive, tmp_path):
+    """The worker's whole declaration, computed without tracing, finds what ``Client.publish`` put there."""
+    pytest.importorskip("torch")
+    from cgstore_client import Client
+    from cgstore_client.archive import inspect
+    from cgstore_client.binding import code_fingerprint, signature_from_module
+
+    from tests.support.archives import tiny_model
+
+    name = unique_repo()
+    token = store.mint("minter", f"acme/{name}:read,write")
+    envelope = unique_envelope()
+    model, sm = tiny_model(), inspect(pt2_archive).sm
+    with Client(store.base_url, token, cache_dir=tmp_path / "cache") as client:
+        published = client.publish(f"acme/{name}", pt2_archive, family=FAMILY, envelope=envelope,
+                                   toolchain={**TOOLCHAIN, **RECORDED}, sm=sm, release="endpoint-9",
+                                   code=code_fingerprint(model))
+    body = {"family": FAMILY, "envelope": envelope, "sm": sm,
+            "toolchain": {"components": TOOLCHAIN, "recorded": RECORDED}, "release": "endpoint-9",
+            "binding_signature": signature_from_module(model), "code": code_fingerprint(model)}
+    with store.client(token) as client:
+        assert [c.key for c in candidates(discover(client, body))] == [published.key]

@@ -1,4 +1,4 @@
-"""The compiled-graphs capability: publish (write-once), read, list, yank, and batch resolve.
+"""The compiled-graphs capability: publish (write-once), read, list, yank, batch resolve, discover, drift reports.
 
 Publish runs admission (``admission.py``) outside any transaction, then one
 short transaction inserts the record if the key has no live record, with its
@@ -18,6 +18,12 @@ whatever the count (one for the candidate records with their repos, one for
 their components), filters what the token may read and ranks the repos it
 searches (``access.resolve_rank``) in Python, and answers a
 miss identically for an absent, yanked, unhealthy or unreadable key.
+
+Discover (issue 16) is resolve by declaration instead of by key: the records
+whose ``discovery_digest`` (stored at publish) is the declaration's, through
+the same two statements, visibility and ranking. A drift report counts a
+worker's disagreement on a readable record and audits it, rate-limited per
+token over the audit log.
 """
 
 from __future__ import annotations
