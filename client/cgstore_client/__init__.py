@@ -1,6 +1,6 @@
 """cgstore client: the contract every worker and the store share, and the worker's client.
 
-``Client`` (boot-time resolve, verified download into a shared cache, publish)
+``Client`` (boot-time resolve or discovery, verified download into a shared cache, publish)
 and its error types are exported here. ``keys`` (ck1 derivation), ``archive``
 (static .pt2 reader), ``metadata`` (compiled-graph metadata schema), ``lanes``
 (kernel-lane rules) need no network and no torch; ``mint`` (packaging a
@@ -10,6 +10,7 @@ extra and are never imported from here.
 
 from cgstore_client.boot import Eager, Loaded, Want
 from cgstore_client.client import Client, Published
+from cgstore_client.discovery import Booted
 from cgstore_client.errors import (
     CgstoreError,
     CompiledRequired,
@@ -28,6 +29,7 @@ from cgstore_client.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Booted",
     "CgstoreError",
     "Client",
     "CompiledRequired",

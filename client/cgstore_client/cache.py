@@ -5,6 +5,7 @@ Layout under the cache directory (``CGSTORE_CACHE_DIR``, default ``~/.cache/cgst
     CACHEDIR.TAG                  marks the directory as a cache (backup tools skip it)
     blobs/<algo>/<hex>            verified bytes, never modified once renamed into place
     records/<key>.json            the resolved record (with its receipt) a key was served from
+    discover/<hex>.json           the last discover answer for a declaration (hex: its request's digest)
     stamps/<algo>/<hex>.json      verification stamp of a blob: size, mtime, inode, digest
     tmp/<hex>.<pid>.<rand>.part   in-flight downloads, one per process
     locks/<hex>.lock              one lock per digest, so processes booting together download once
@@ -89,7 +90,7 @@ class Cache:
     # --- layout ------------------------------------------------------------------------
 
     def ensure(self) -> None:
-        for sub in ("blobs", "records", "stamps", "tmp", "locks"):
+        for sub in ("blobs", "records", "discover", "stamps", "tmp", "locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         tag = self.root / "CACHEDIR.TAG"
         if not tag.exists():
@@ -101,6 +102,10 @@ class Cache:
 
     def record_path(self, key: str) -> Path:
         return self.root / "records" / f"{key}.json"
+
+    def discover_path(self, request_digest: str) -> Path:
+        _, hexdigest = _split(request_digest)
+        return self.root / "discover" / f"{hexdigest}.json"
 
     def _stamp_path(self, digest: str) -> Path:
         algo, hexdigest = _split(digest)

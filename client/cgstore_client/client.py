@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cgstore_client import boot
 from cgstore_client.archive import inspect
@@ -49,7 +49,11 @@ from cgstore_client.receipts import (
     proves_root,
     verify_jws_receipt,
 )
+from cgstore_client.wire.discovery import DEFAULT_DISCOVER_LIMIT, Candidate
 from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from cgstore_client.discovery import Booted
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
 #: Blobs at least this large go through a resumable upload session rather than one PUT.
@@ -412,6 +416,33 @@ class Client:
             lane_reason=lane.reason if lane else None,
             receipt=entry.get("receipt"),
         )
+
+    # --- boot by declaration (cgstore_client.discovery) ------------------------------------
+
+    def discover(
+        self,
+        family: str,
+        *,
+        envelope: Envelope | Mapping[str, object],
+        sm: str,
+        toolchain: Toolchain | Mapping[str, str],
+        release: str | None = None,
+        binding_signature: str | None = None,
+        code: str | None = None,
+        limit: int = DEFAULT_DISCOVER_LIMIT,
+    ) -> list[Candidate]:
+        """The live records matching a declaration, best first (offline or with the store down: the cached answer)."""
+        from cgstore_client import discovery
+
+        request = discovery.discover_request(family, envelope=envelope, sm=sm, toolchain=toolchain, release=release,
+                                             binding_signature=binding_signature, code=code, limit=limit)
+        return discovery.discover(self, request)
+
+    def boot(self, family: str, model: Any, *, envelope: Envelope | Mapping[str, object], **options: Any) -> Booted:
+        """Serve ``model`` compiled from a discovered record, confirmed as asked; see :func:`discovery.boot`."""
+        from cgstore_client import discovery
+
+        return discovery.boot(self, family, model, envelope=envelope, **options)
 
     # --- publish -----------------------------------------------------------------------
 

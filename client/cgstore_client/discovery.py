@@ -1,0 +1,367 @@
+"""Boot by declaration: find a compiled graph without tracing, serve it, confirm it behind the first call.
+
+A worker knows its declaration (family, envelope, sm, toolchain, release) and
+its live model's tensors before it has traced anything. :func:`discover` asks
+the store for the live records matching that declaration and binding exactly
+those tensors (one ``POST /v1/compiled-graphs:discover``); :func:`boot` takes
+the first candidate that passes the structural gate, downloads it through
+``Client.load``'s verified path, binds it to the live weights and returns a
+:class:`Booted` handle that serves it at once.
+
+Trust. The structural gate is: the record's receipt verifies (the store
+admitted exactly these bytes under this key), the record binds the same
+tensors as the live model (binding signature: every name, dtype and shape),
+the example inputs are inside its input contract, and every constant binds.
+It guarantees the graph *can* run on these weights and inputs, not that it
+computes what the live ``forward`` computes: a patched forward over the same
+tensors passes it. Only *confirmation* says that: exporting the live model
+and comparing its graph digest with the record's (the store measured it on
+admission). ``confirm="before"`` confirms before serving (an export, seconds
+to minutes); ``"background"`` serves at once and confirms in a thread,
+switching the handle to eager for every later call on drift and reporting
+it (``POST …/compiled-graphs/{key}:report``); ``"never"`` trusts the gate.
+
+Offline, or with the store down, discover answers the last answer cached for
+the same request (``discover/<digest>.json`` in the client cache), and the
+records and blobs it names come from the cache as ``load``'s do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import blake3
+
+from cgstore_client import boot as reasons
+from cgstore_client.boot import Eager, Loaded, admits_contract
+from cgstore_client.client import Client, _entry, _parsed, _record, split_repo
+from cgstore_client.errors import CgstoreError, CompiledRequired, Offline, Unavailable
+from cgstore_client.keys import Envelope, Toolchain, canonical_json
+from cgstore_client.wire.discovery import (
+    DEFAULT_DISCOVER_LIMIT,
+    Candidate,
+    DiscoverAnswer,
+    DiscoverRequest,
+    DriftReport,
+)
+from cgstore_client.wire.records import MAX_REASON_CHARS, ToolchainAxis
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+log = logging.getLogger(__name__)
+
+# Booted.confirmation values.
+PENDING = "pending"
+CONFIRMED = "confirmed"
+DRIFT = "drift"
+SKIPPED = "skipped"
+CONFIRM_MODES = ("background", "before", "never")
+#: Reason of a handle that could not be confirmed before serving (the export failed).
+UNCONFIRMED = "unconfirmed"
+#: At most this many differing tensors are named in a miss reason.
+NAMED_DIFFERENCES = 4
+
+
+class Booted:
+    """What :func:`boot` serves: callable like the model, compiled when it can be.
+
+    ``compiled``: whether calls go to the compiled graph; ``loaded``: the
+    record served (kept after a drift, so it can be named); ``reason``: why
+    calls go eager (None while compiled); ``confirmation``: ``pending``,
+    ``confirmed``, ``drift`` or ``skipped`` (no example inputs, ``confirm="never"``,
+    or an export that failed in the background).
+    """
+
+    def __init__(self, model: Callable[..., Any], *, compiled: Callable[..., Any] | None = None,
+                 loaded: Loaded | None = None, reason: str | None = None, confirmation: str = SKIPPED) -> None:
+        self.model = model
+        self.loaded = loaded
+        self.reason = reason
+        self.confirmation = confirmation
+        self._compiled = compiled
+        self._settled = threading.Event()
+        if confirmation != PENDING:
+            self._settled.set()
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        target = self._compiled  # one read: a concurrent switch to eager takes effect on the next call
+        return (self.model if target is None else target)(*args, **kwargs)
+
+    def wait_confirmed(self, timeout: float | None = None) -> str:
+        """Block until confirmation is no longer pending (or ``timeout`` seconds); returns it."""
+        self._settled.wait(timeout)
+        return self.confirmation
+
+    def _go_eager(self, reason: str) -> None:
+        self._compiled = None
+        self.reason = reason
+
+    def _settle(self, confirmation: str) -> None:
+        self.confirmation = confirmation
+        self._settled.set()
+
+    def __repr__(self) -> str:
+        key = self.loaded.key if self.loaded else None
+        return (f"Booted(compiled={self.compiled}, key={key!r}, confirmation={self.confirmation!r}, "
+                f"reason={self.reason!r})")
+
+
+# --- discover ------------------------------------------------------------------------------
+
+
+def discover_request(
+    family: str,
+    *,
+    envelope: Envelope | Mapping[str, object],
+    sm: str,
+    toolchain: Toolchain | Mapping[str, str],
+    release: str | None = None,
+    binding_signature: str | None = None,
+    code: str | None = None,
+    limit: int = DEFAULT_DISCOVER_LIMIT,
+) -> DiscoverRequest:
+    envelope = envelope if isinstance(envelope, Envelope) else Envelope.from_dict(envelope)
+    toolchain = toolchain if isinstance(toolchain, Toolchain) else Toolchain(toolchain)
+    axis = ToolchainAxis(components=dict(toolchain.components), recorded=dict(toolchain.recorded))
+    return DiscoverRequest(family=family, envelope=envelope.document, sm=sm, toolchain=axis, release=release,
+                           binding_signature=binding_signature, code=code, limit=limit)
+
+
+def discover(client: Client, request: DiscoverRequest) -> list[Candidate]:
+    """The store's candidates for ``request``, best first; offline or with the store down, the cached answer.
+
+    Raises :class:`Offline` (offline) or :class:`Unavailable` (store down) when
+    no answer to this very request is cached.
+    """
+    body = request.model_dump(mode="json", exclude_none=True)
+    cached_at = client.cache.discover_path("blake3:" + blake3.blake3(canonical_json(body, hashed=False)).hexdigest())
+    if client.offline:
+        return _cached_candidates(client, cached_at, Offline("offline mode and this declaration was never discovered"))
+    try:
+        answer = client.transport.request("POST", "/v1/compiled-graphs:discover", json=body)
+    except Unavailable as err:
+        return _cached_candidates(client, cached_at, err)
+    candidates = _parsed(DiscoverAnswer, answer.content).candidates
+    client.cache.write_json(cached_at, {"candidates": [c.model_dump(mode="json") for c in candidates]})
+    return candidates
+
+
+def _cached_candidates(client: Client, path, error: CgstoreError) -> list[Candidate]:
+    cached = client.cache.read_json(path)
+    if cached is None:
+        raise error
+    return DiscoverAnswer.model_validate(cached).candidates
+
+
+# --- boot ----------------------------------------------------------------------------------
+
+
+def boot(
+    client: Client,
+    family: str,
+    model: torch.nn.Module,
+    *,
+    envelope: Envelope | Mapping[str, object],
+    toolchain: Toolchain | Mapping[str, str] | None = None,
+    sm: str | None = None,
+    release: str | None = None,
+    code: bool | str = True,
+    mandatory: bool = False,
+    confirm: str | None = None,
+    example_inputs: tuple[Any, ...] | None = None,
+    checkpoint: Any = None,
+    device: str = "cpu",
+) -> Booted:
+    """Serve ``model`` compiled from the first candidate that passes the structural gate, else eager.
+
+    ``code=True`` narrows discovery to records minted from the same source
+    (``binding.code_fingerprint``); a string is that fingerprint. ``confirm``
+    defaults to ``"before"`` when ``mandatory`` (which raises
+    :class:`CompiledRequired` rather than serve eager), else ``"background"``.
+    """
+    confirm = confirm or ("before" if mandatory else "background")
+    if confirm not in CONFIRM_MODES:
+        raise ValueError(f"confirm is one of {CONFIRM_MODES}, not {confirm!r}")
+    booted = _boot(client, family, model, _declaration(family, model, envelope, toolchain, sm, release, code, device),
+                   example_inputs, checkpoint, device)
+    if booted.compiled and confirm != "never" and example_inputs is not None:
+        _start_confirmation(client, booted, model, example_inputs, background=confirm == "background")
+        if confirm == "before" and booted.confirmation == SKIPPED:  # the export failed: nothing confirmed it
+            booted._go_eager(f"{UNCONFIRMED}: the live model could not be exported to confirm the graph")
+    if mandatory and not booted.compiled:
+        raise CompiledRequired({family: booted.reason or reasons.MISS})
+    return booted
+
+
+def _declaration(family, model, envelope, toolchain, sm, release, code, device) -> DiscoverRequest:
+    from cgstore_client.binding import code_fingerprint, signature_from_module
+    from cgstore_client.mint import environment_sm, environment_toolchain
+
+    fingerprint = code_fingerprint(model) if code is True else (code or None)
+    return discover_request(family, envelope=envelope, sm=sm or environment_sm(device),
+                            toolchain=toolchain or environment_toolchain(), release=release,
+                            binding_signature=signature_from_module(model), code=fingerprint)
+
+
+def _boot(client, family, model, request: DiscoverRequest, example_inputs, checkpoint, device) -> Booted:
+    try:
+        candidates = discover(client, request)
+    except Offline as err:
+        return Booted(model, reason=f"{reasons.OFFLINE_NOT_CACHED}: {err}")
+    except Unavailable as err:
+        return Booted(model, reason=f"{reasons.UNAVAILABLE}: {err}")
+    shapes = _leaf_shapes(example_inputs) if example_inputs is not None else None
+    weights = checkpoint if checkpoint is not None else model.state_dict()
+    refusals = []
+    for candidate in candidates:
+        outcome = _serve_candidate(client, candidate, request.binding_signature, shapes, weights, device)
+        if isinstance(outcome, str):
+            refusals.append(f"{candidate.key}: {outcome}")
+            continue
+        loaded, compiled = outcome
+        return Booted(model, compiled=compiled, loaded=loaded)
+    if refusals:
+        return Booted(model, reason=f"{reasons.MISS}: no candidate could be served ({'; '.join(refusals)})")
+    return Booted(model, reason=_miss_reason(client, request, model))
+
+
+def _serve_candidate(client: Client, candidate: Candidate, signature: str | None, shapes, weights, device):
+    """(Loaded, compiled callable) through the structural gate, or why this candidate is not served."""
+    from cgstore_client.loader import BindingError, load_compiled
+
+    if candidate.binding_signature != signature:  # the store filters on it; the cache and the client check
+        return f"binds other tensors ({candidate.binding_signature})"
+    entry = client._trusted(client._with_cached_record(_entry(candidate)), root_only=False)
+    if isinstance(entry, str):
+        return entry
+    served = client._serve(candidate.key, entry, client._fetch_all([entry]), None)
+    if isinstance(served, Eager):
+        return served.reason
+    if shapes is not None:
+        if missing := _unmatched_inputs(served.input_contract, shapes):
+            return f"input structure differs: {missing}"
+        if not (verdict := admits_contract(served.input_contract, shapes)):
+            return f"the input contract refuses the example inputs: {verdict.detail}"
+    try:
+        return served, load_compiled(served, weights, device=device)
+    except BindingError as err:
+        return str(err)
+
+
+def _leaf_shapes(example_inputs) -> dict[str, object]:
+    """The example inputs' tensors by contract path (``args[0]['x']``)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    leaves, _ = pytree.tree_flatten_with_path(tuple(example_inputs))
+    return {"args" + pytree.keystr(path): leaf for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
+
+
+def _unmatched_inputs(contract: Mapping[str, Any], shapes: Mapping[str, object]) -> str | None:
+    declared = {spec["path"] for spec in contract.get("inputs") or []}
+    if declared == set(shapes):
+        return None
+    return f"declared {sorted(declared)}, given {sorted(shapes)}"
+
+
+def _miss_reason(client: Client, request: DiscoverRequest, model) -> str:
+    """Why nothing was found; when the declaration has records binding other tensors, which tensors differ."""
+    try:
+        others = discover(client, request.model_copy(update={"binding_signature": None, "limit": 1}))
+        if not others:
+            return f"{reasons.MISS}: no candidate for this declaration"
+        other = others[0]
+        table = _record(client.transport.request("GET", other.record.href).content)["binding_table"]
+    except (CgstoreError, KeyError) as err:  # a diagnosis only: the miss stands either way
+        log.debug("no diagnosis of the miss: %s", err)
+        return f"{reasons.MISS}: no candidate binds this model's tensors ({request.binding_signature})"
+    return (f"{reasons.MISS}: no candidate binds this model's tensors ({request.binding_signature}); "
+            f"{other.key} binds {other.binding_signature}: {_tensor_differences(table, model)}")
+
+
+def _tensor_differences(table: list[Mapping[str, Any]], model) -> str:
+    """What the binding signatures hash, compared name by name: the record's checkpoint rows against the live state."""
+    recorded = {row["fqn"]: (row["dtype"], list(row["shape"] or [])) for row in table if row["source"] == "checkpoint"}
+    live = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in model.state_dict().items()}
+    differences = [f"{name} is {live[name]}, recorded {recorded[name]}"
+                   for name in sorted(live.keys() & recorded.keys()) if live[name] != recorded[name]]
+    differences += [f"{name} is not recorded" for name in sorted(live.keys() - recorded.keys())]
+    differences += [f"{name} is recorded, not in the model" for name in sorted(recorded.keys() - live.keys())]
+    shown = "; ".join(differences[:NAMED_DIFFERENCES]) or "the same names, dtypes and shapes"
+    return shown + (f" (+{len(differences) - NAMED_DIFFERENCES} more)" if len(differences) > NAMED_DIFFERENCES else "")
+
+
+# --- confirmation --------------------------------------------------------------------------
+
+
+def _start_confirmation(client: Client, booted: Booted, model, example_inputs, *, background: bool) -> None:
+    booted.confirmation = PENDING
+    booted._settled.clear()
+    confirm = lambda: _confirm(client, booted, model, example_inputs)  # noqa: E731
+    if background:
+        threading.Thread(target=confirm, name="cgstore-confirm", daemon=True).start()
+    else:
+        confirm()
+
+
+def _confirm(client: Client, booted: Booted, model, example_inputs) -> None:
+    """Export the live model, compare graph digests; on drift switch to eager, warn and report. Never raises."""
+    loaded = booted.loaded
+    recorded = loaded.record["manifest"]["axes"]["graph"]
+    try:
+        measured = live_graph_digest(model, example_inputs, loaded.input_contract)
+    except Exception as err:  # any export failure: serving goes on, unconfirmed
+        log.warning("cgstore: could not confirm %s (the live model did not export: %s)", loaded.key, err)
+        booted._settle(SKIPPED)
+        return
+    if measured == recorded:
+        booted._settle(CONFIRMED)
+        return
+    reason = f"{DRIFT}: the live model's graph is {measured}, the record's {recorded}"
+    booted._go_eager(reason)  # at once; the report below may wait on retries
+    log.warning("cgstore: %s from %s serves eager from now on: %s", loaded.key, loaded.repo, reason)
+    _report(client, loaded, measured, reason)
+    booted._settle(DRIFT)
+
+
+def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str:
+    """The graph digest of ``model`` exported on ``example_inputs`` with the contract's dynamic dims.
+
+    The record's graph was exported with symbolic dims (ranges in the
+    contract's ``dims``); exporting the live model with the same ranges makes
+    an identical computation give an identical digest.
+    """
+    import torch
+    from torch.utils import _pytree as pytree
+
+    from cgstore_client.archive import graph_digest_from_program
+
+    declared = {spec["path"]: spec["shape"] for spec in contract.get("inputs") or []}
+    dims = {name: torch.export.Dim(name, min=bounds.get("min"), max=bounds.get("max"))
+            for name, bounds in (contract.get("dims") or {}).items()}
+
+    def dynamic(path, leaf):
+        shape = declared.get("args" + pytree.keystr(path)) or []
+        return {axis: dims[d] for axis, d in enumerate(shape) if isinstance(d, str) and d in dims} or None
+
+    args = tuple(example_inputs)
+    program = torch.export.export(model, args, dynamic_shapes=pytree.tree_map_with_path(dynamic, args))
+    return graph_digest_from_program(program)
+
+
+def _report(client: Client, loaded: Loaded, measured: str, reason: str) -> None:
+    """Tell the store (best effort: a report that fails changes nothing for serving)."""
+    owner, name = split_repo(loaded.repo or "")
+    body = DriftReport(measured_graph=measured, reason=reason[:MAX_REASON_CHARS]).model_dump(mode="json")
+    try:
+        client.transport.request("POST", f"/v1/repos/{owner}/{name}/compiled-graphs/{loaded.key}:report", json=body)
+    except Exception as err:  # offline, store down, client closed, refused: the drift is logged already
+        log.info("cgstore: drift report for %s not delivered: %s", loaded.key, err)

@@ -1,0 +1,267 @@
+"""Boot by declaration (issue 16): discover, the structural gate, confirmation, offline and store-down boots.
+
+Real archives (``tests/support/archives.py``: the tiny model, minted once per
+session) against the real store in both configurations. The worker's model is
+another instance (other weights, same tensors' names, dtypes and shapes): what
+is served compiled is bound to the live model's own state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from cgstore_client import Booted, Client, CompiledRequired
+from cgstore_client.archive import inspect
+from cgstore_client.binding import code_fingerprint
+from cgstore_client.keys import Envelope
+from cgstore_client.mint import derived_constants_path, environment_sm, environment_toolchain
+
+from tests.support.archives import REPO, tiny_inputs, tiny_model
+from tests.support.docs import example
+from tests.support.live_store import unique_repo
+from tests.support.services import free_port
+
+pytestmark = pytest.mark.torch
+
+FAMILY = "tiny-discover"
+ENVELOPE = Envelope(shapes=[(64, 64)], text_len=0, batch_sizes=[1, 2, 5])
+RELEASE = "endpoint-7"
+CONFIRM_TIMEOUT_S = 300  # an export on a loaded 2-core machine
+
+
+@pytest.fixture
+def declared(store, pt2_archive, tmp_path):
+    """Archive A published (with its release and code fingerprint) under this environment's toolchain and sm."""
+    archive = tmp_path / "mint" / "model.pt2"
+    archive.parent.mkdir()
+    shutil.copy(pt2_archive, archive)
+    shutil.copy(derived_constants_path(pt2_archive), derived_constants_path(archive))
+    repo = f"acme/{unique_repo()}"
+    token = store.mint("mint-child", f"{repo}:read,write")
+    with Client(store.base_url, token, cache_dir=tmp_path / "mint-cache") as client:
+        published = client.publish(repo, archive, family=FAMILY, envelope=ENVELOPE, toolchain=environment_toolchain(),
+                                   sm=environment_sm("cpu"), release=RELEASE, code=code_fingerprint(tiny_model(0)))
+    return repo, token, published.key, inspect(archive).graph_digest
+
+
+def boot(client: Client, model, **options) -> Booted:
+    return client.boot(FAMILY, model, envelope=ENVELOPE, release=RELEASE, **options)
+
+
+def same_outputs(booted: Booted, model) -> bool:
+    with torch.no_grad():
+        return all(torch.equal(booted(*tiny_inputs(b)), model(*tiny_inputs(b))) for b in (1, 2, 5))
+
+
+def test_discover_answers_the_declaration_and_only_it(store, declared, tmp_path):
+    repo, token, key, graph = declared
+    toolchain, sm = environment_toolchain(), environment_sm("cpu")
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        (candidate,) = client.discover(FAMILY, envelope=ENVELOPE, sm=sm, toolchain=toolchain, release=RELEASE)
+        other_release = client.discover(FAMILY, envelope=ENVELOPE, sm=sm, toolchain=toolchain, release="other")
+    assert (candidate.key, candidate.repo, candidate.record.graph) == (key, repo, graph)
+    assert candidate.binding_signature.startswith("bs1:") and other_release == []
+
+
+def test_another_instance_boots_compiled_from_a_fresh_cache_and_is_confirmed(store, declared, tmp_path):
+    repo, token, key, _ = declared
+    live = tiny_model(seed=3)  # weights the archive has never seen
+    with Client(store.base_url, token, cache_dir=tmp_path / "fresh") as client:
+        before = boot(client, live, confirm="before", example_inputs=tiny_inputs())
+        background = boot(client, live, example_inputs=tiny_inputs())
+        assert background.wait_confirmed(CONFIRM_TIMEOUT_S) == "confirmed"
+    for booted in (before, background):
+        assert booted.compiled and booted.reason is None and booted.confirmation == "confirmed"
+        assert (booted.loaded.key, booted.loaded.repo) == (key, repo)
+        assert same_outputs(booted, live)
+
+
+def patched(model):
+    """Same tensors, another computation: the forward of the sigmoid variant, over this model's weights."""
+    other = tiny_model(activation="sigmoid")
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def test_a_patched_forward_is_served_then_switched_to_eager_when_background_confirmation_finds_drift(
+    store, declared, tmp_path, caplog
+):
+    repo, token, key, graph = declared
+    live = patched(tiny_model(seed=3))
+    compiled_twin = tiny_model(seed=3)  # what the record computes with these weights
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        booted = boot(client, live, code=False, example_inputs=tiny_inputs())
+        assert booted.compiled  # the structural gate cannot tell: same names, dtypes, shapes
+        assert same_outputs(booted, compiled_twin) or booted.confirmation == "drift"
+        assert booted.wait_confirmed(CONFIRM_TIMEOUT_S) == "drift"
+        record = client.transport.request("GET", f"/v1/repos/{repo}/compiled-graphs/{key}").json()
+    assert record["drift_reports"] == 1  # the store was told
+    assert not booted.compiled and booted.reason.startswith("drift") and graph in booted.reason
+    assert booted.loaded.key == key and same_outputs(booted, live)
+    assert any("serves eager from now on" in r.getMessage() for r in caplog.records)
+
+
+def test_confirm_before_refuses_a_patched_forward_up_front_and_mandatory_raises(store, declared, tmp_path):
+    _, token, _, _ = declared
+    live = patched(tiny_model(seed=3))
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        booted = boot(client, live, code=False, confirm="before", example_inputs=tiny_inputs())
+        assert not booted.compiled and booted.confirmation == "drift" and booted.reason.startswith("drift")
+        assert same_outputs(booted, live)
+        with pytest.raises(CompiledRequired, match="drift") as required:
+            boot(client, live, code=False, mandatory=True, example_inputs=tiny_inputs())
+    assert required.value.retryable
+
+
+class Renamed(torch.nn.Module):
+    """The tiny model one level down: every tensor's name gains ``inner.``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tiny_model(seed=3)
+
+    def forward(self, inputs, offset):
+        return self.inner(inputs, offset)
+
+
+@pytest.mark.parametrize(
+    ("model", "named"),
+    [
+        (lambda: tiny_model(seed=3, hidden=5), "lin.weight is ('float32', [5, 8]), recorded ('float32', [4, 8])"),
+        (Renamed, "inner.lin.weight is not recorded"),
+    ],
+    ids=["reshaped", "renamed"],
+)
+def test_a_reshaped_or_renamed_tensor_finds_no_candidate_and_says_which(store, declared, tmp_path, model, named):
+    _, token, key, _ = declared
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        booted = boot(client, model(), code=False)
+    assert not booted.compiled and booted.loaded is None
+    assert booted.reason.startswith("miss: no candidate binds this model's tensors") and key in booted.reason
+    assert named in booted.reason
+
+
+def test_example_inputs_outside_the_contract_are_served_eager_with_the_contracts_words(store, declared, tmp_path):
+    _, token, key, _ = declared
+    live = tiny_model(seed=3)
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        booted = boot(client, live, example_inputs=tiny_inputs(65))
+    assert not booted.compiled and f"{key}: the input contract refuses" in booted.reason
+    assert "declared [1, 64]" in booted.reason
+
+
+def test_offline_boot_answers_from_the_cache_and_says_what_it_lacks(store, declared, tmp_path):
+    _, token, key, _ = declared
+    live = tiny_model(seed=3)
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        assert boot(client, live).compiled
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens: any socket would fail
+    with Client(gone, token, cache_dir=tmp_path / "c", offline=True) as offline:
+        served = boot(offline, live)
+        other_release = offline.boot(FAMILY, live, envelope=ENVELOPE, release="never-discovered")
+    assert served.compiled and served.loaded.key == key and same_outputs(served, live)
+    assert not other_release.compiled and other_release.reason.startswith("offline and not cached")
+
+
+def test_with_the_store_down_boot_answers_from_a_warm_cache(store, declared, tmp_path):
+    _, token, key, _ = declared
+    live = tiny_model(seed=3)
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        assert boot(client, live).compiled
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    with Client(gone, token, cache_dir=tmp_path / "c") as fresh:
+        served = boot(fresh, live, example_inputs=tiny_inputs())
+        assert served.wait_confirmed(CONFIRM_TIMEOUT_S) == "confirmed"  # the report path is never taken
+    assert served.compiled and served.loaded.key == key and same_outputs(served, live)
+    with Client(gone, token, cache_dir=tmp_path / "cold") as cold:
+        eager = boot(cold, live)
+    assert not eager.compiled and eager.reason.startswith("store unavailable")
+
+
+def test_the_docs_boot_by_declaration_runs_as_written(make_store, pt2_archive, tmp_path, monkeypatch):
+    live = make_store("embedded")
+    monkeypatch.setenv("CGSTORE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(pt2_archive, "model.pt2")  # minted from tiny_model (another seed: the weights are the worker's)
+    shutil.copy(derived_constants_path(pt2_archive), derived_constants_path("model.pt2"))
+    code = example("boot-by-declaration").replace("http://127.0.0.1:8080", live.base_url)
+    scope = {"TOKEN": live.mint("w", "acme/*:read,write"), "model": tiny_model(seed=3),
+             "example_inputs": tiny_inputs(), "__name__": "docs"}
+    exec(compile(code, "docs/client.md", "exec"), scope)  # noqa: S102 - the docs' own code
+    booted = scope["booted"]
+    assert booted.compiled and booted.confirmation == "confirmed"
+    assert torch.equal(scope["y"], tiny_model(3)(*tiny_inputs()))
+
+
+HF_WORKER = """
+import json, sys, torch
+from cgstore_client import Client
+from tests.support.hf_archives import hf_inputs, tiny_hf_model
+url, token, cache, name, checkpoint, family = sys.argv[1:]
+live = tiny_hf_model(name, seed=5)  # its own weights are not served: the checkpoint's are
+with Client(url, token, cache_dir=cache) as client:
+    booted = client.boot(family, live, envelope={"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1]},
+                         mandatory=True, example_inputs=hf_inputs(), checkpoint=checkpoint)
+with torch.no_grad():
+    out = booted(*hf_inputs())[0]
+print(json.dumps({"compiled": booted.compiled, "confirmation": booted.confirmation, "out": out.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_a_transformers_model_boots_in_another_process_on_a_save_pretrained_checkpoint(store, tmp_path, name):
+    """GPT-2 (tied LM head) and BERT (non-persistent buffers), checkpoint of another seed, fresh cache, subprocess."""
+    from tests.support.hf_archives import hf_archive, hf_inputs, tiny_hf_model
+
+    archive = hf_archive(name)
+    family, repo = f"hf-{name}", f"acme/{unique_repo()}"
+    token = store.mint("mint-child", f"{repo}:read,write")
+    envelope = {"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1]}
+    with Client(store.base_url, token, cache_dir=tmp_path / "mint-cache") as client:
+        client.publish(repo, archive, family=family, envelope=envelope, toolchain=environment_toolchain(),
+                       sm=environment_sm("cpu"), code=code_fingerprint(tiny_hf_model(name)))
+    trained = tiny_hf_model(name, seed=1)
+    trained.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    worker = subprocess.run(
+        [sys.executable, "-c", HF_WORKER, store.base_url, token, str(tmp_path / "worker-cache"), name,
+         str(tmp_path / "ckpt" / "model.safetensors"), family],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+    )
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    answer = json.loads(worker.stdout.strip().splitlines()[-1])
+    assert answer["compiled"] and answer["confirmation"] == "confirmed"
+    with torch.no_grad():
+        expected = trained(*hf_inputs())[0]
+    # AOTI's fused kernels round differently from eager: equal to float32 precision, not bit for bit.
+    torch.testing.assert_close(torch.tensor(answer["out"]), expected, rtol=1e-5, atol=1e-5)
+
+
+def unexportable(model):
+    """A forward that branches on a tensor's value: it runs eagerly, ``torch.export`` refuses it."""
+    forward = model.forward
+
+    def branching(inputs, offset):
+        return forward(inputs, offset) if float(offset.sum()) < 1e9 else forward(inputs, -offset)
+
+    model.forward = branching
+    return model
+
+
+def test_a_model_that_cannot_be_exported_is_unconfirmed_served_eager_before_and_compiled_in_the_background(
+    store, declared, tmp_path
+):
+    _, token, _, _ = declared
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        before = boot(client, unexportable(tiny_model(seed=3)), code=False, confirm="before",
+                      example_inputs=tiny_inputs())
+        background = boot(client, unexportable(tiny_model(seed=3)), code=False, example_inputs=tiny_inputs())
+        assert background.wait_confirmed(CONFIRM_TIMEOUT_S) == "skipped"
+    assert not before.compiled and before.reason.startswith("unconfirmed") and before.confirmation == "skipped"
+    assert background.compiled and background.reason is None
