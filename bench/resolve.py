@@ -20,14 +20,28 @@ threads send requests back to back, each over its own keep-alive connection;
 the latency of each request is measured from the first byte sent to the last
 byte received.
 
-Last line: ``{"p50_ms_1k", "p99_ms_1k", "p50_ms_100k", "p99_ms_100k", "p99_ratio"}``
-(ratio = 100 k ÷ 1 k), plus the client count, request count and store processes it was taken with.
+Then, at each size, the request a worker booting by declaration sends: ``POST
+/v1/compiled-graphs:discover`` with a family, envelope, sm and toolchain
+(keyed and recorded versions). Every record carries the ``discovery_digest``
+publish would have stored (``cgstore_client.binding.discovery_digest`` of its
+real canonical envelope and toolchain); the envelope's ``text_len`` differs
+every ``MATCHES_PER_DECLARATION`` records, so each declaration (drawn at
+random from the whole table) matches exactly that many records and the answer
+holds that many candidates, each with presigned URLs (checked on a sampled
+answer before measuring). Sent by the same ``--clients`` threads, and at the
+large size once more by one client alone.
+
+Last line: ``{"p50_ms_1k", "p99_ms_1k", "p50_ms_100k", "p99_ms_100k", "p99_ratio",
+"discover_p50_ms_1k", "discover_p99_ms_1k", "discover_p50_ms_100k", "discover_p99_ms_100k",
+"discover_p99_ratio", "discover_one_client_p99_ms_100k"}`` (ratios = 100 k ÷ 1 k; "100k" is
+``--large``, "1k" is ``--small``), plus the client count, request count and store processes it was taken with.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import random
 import threading
@@ -36,12 +50,23 @@ import time
 import httpx
 from sqlalchemy import create_engine, text
 
+from cgstore_client.binding import discovery_digest
+from cgstore_client.keys import Envelope, Toolchain
+
 from _common import emit_result, log, production_stack
 
 FAMILY = "bench-family"
 KEYS_PER_REQUEST = 256
 HITS_PER_REQUEST = 128
 SEED_BATCH = 5000
+RESOLVE = "/v1/compiled-graphs:resolve"
+DISCOVER = "/v1/compiled-graphs:discover"
+SM = "sm_90"
+#: Records sharing one declaration: what one discover matches (the default discover limit answers them all).
+MATCHES_PER_DECLARATION = 4
+#: The declared toolchain: keyed torch, recorded diffusers (folded into the discovery digest, not the key).
+TOOLCHAIN = {"components": {"torch": "2.13.0"}, "recorded": {"diffusers": "0.36.0"}}
+_TOOLCHAIN = Toolchain({**TOOLCHAIN["components"], **TOOLCHAIN["recorded"]})
 
 
 def parse_args() -> argparse.Namespace:
@@ -61,6 +86,23 @@ def fake_digest(kind: str, n: int) -> str:
 
 def fake_key(n: int) -> str:
     return "ck1-" + f"{n:056x}"
+
+
+def declared_envelope(group: int) -> dict:
+    """Declaration ``group``'s envelope: records ``group * MATCHES_PER_DECLARATION`` onwards carry it."""
+    return {"v": 1, "shapes": [[1024, 1024]], "text_len": 1 + group, "guidance": ["3.5"], "batch_sizes": [1]}
+
+
+@functools.lru_cache(maxsize=1)
+def _declaration_columns(group: int) -> dict:
+    """The envelope, toolchain and discovery columns publish would store for declaration ``group``."""
+    envelope = Envelope.from_dict(declared_envelope(group))
+    return {
+        "envelope": json.dumps(envelope.document), "envelope_digest": envelope.digest,
+        "toolchain": json.dumps(_TOOLCHAIN.document), "toolchain_digest": _TOOLCHAIN.digest,
+        "recorded_versions": json.dumps(dict(_TOOLCHAIN.recorded)),
+        "discovery_digest": discovery_digest(FAMILY, envelope.digest, SM, _TOOLCHAIN.digest, _TOOLCHAIN.recorded),
+    }
 
 
 def seed(database_url: str, start: int, stop: int) -> None:
@@ -102,7 +144,7 @@ _COLUMNS = (
     "repo_id, key, kind, format, family, lane, sm, graph_digest, envelope, envelope_digest, toolchain, "
     "toolchain_digest, recorded_versions, artifact_digest, artifact_size, component_set, layout_display, "
     "layout_topology, layout_quant, input_contract, binding_table, kernel_lane, publisher, publisher_jti, "
-    "created_at, health"
+    "created_at, health, discovery_digest"
 )
 _INSERT_RECORD = f"INSERT INTO compiled_graphs ({_COLUMNS}) VALUES ({', '.join(':' + c.strip() for c in _COLUMNS.split(','))})"
 _KERNEL_LANE = json.dumps({"winner": "baseline+packed", "rule": "fit-constrained-speed/1", "binding": "speed",
@@ -112,11 +154,8 @@ _KERNEL_LANE = json.dumps({"winner": "baseline+packed", "rule": "fit-constrained
 def _record(repo_id: int, n: int, now: dt.datetime) -> dict:
     return {
         "repo_id": repo_id, "key": fake_key(n), "kind": "aot-inductor", "format": "pt2", "family": FAMILY,
-        "lane": "baseline+packed", "sm": "sm_90", "graph_digest": fake_digest("g", n),
-        "envelope": json.dumps({"v": 1, "shapes": [[1024, 1024]], "text_len": 512, "guidance": ["3.5"],
-                                "batch_sizes": [1]}),
-        "envelope_digest": fake_digest("e", n), "toolchain": json.dumps({"v": 1, "components": {"torch": "2.13.0"}}),
-        "toolchain_digest": fake_digest("t", 0), "recorded_versions": "{}",
+        "lane": "baseline+packed", "sm": SM, "graph_digest": fake_digest("g", n),
+        **_declaration_columns(n // MATCHES_PER_DECLARATION),
         "artifact_digest": fake_digest("a", n), "artifact_size": 1565188, "component_set": fake_digest("s", 0),
         "layout_display": "flux2.diffusers@1+cozy.fp8-rowwise@1", "layout_topology": fake_digest("l", 0),
         "layout_quant": fake_digest("q", 0), "input_contract": json.dumps({"v": 1, "inputs": [], "dims": {}}),
@@ -136,16 +175,39 @@ def request_bodies(records: int, count: int, rng: random.Random) -> list[bytes]:
     return bodies
 
 
-def check_answer(base_url: str, token: str, body: bytes) -> None:
-    answer = httpx.post(f"{base_url}/v1/compiled-graphs:resolve", content=body,
-                        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"}).json()
+def discover_bodies(records: int, count: int, rng: random.Random) -> list[bytes]:
+    """``count`` discover bodies, each declaring one of the table's declarations drawn at random."""
+    groups = rng.sample(range(records // MATCHES_PER_DECLARATION), count)
+    return [json.dumps({"family": FAMILY, "envelope": declared_envelope(group), "sm": SM,
+                        "toolchain": TOOLCHAIN}).encode() for group in groups]
+
+
+def post(base_url: str, token: str, path: str, body: bytes) -> dict:
+    return httpx.post(f"{base_url}{path}", content=body, timeout=120,
+                      headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"}).json()
+
+
+def check_resolve(base_url: str, token: str, body: bytes) -> None:
+    answer = post(base_url, token, RESOLVE, body)
     hits = [a for a in answer["answers"] if a["status"] == "hit"]
     assert len(hits) == HITS_PER_REQUEST, f"{len(hits)} hits"
-    assert hits[0]["artifact"]["url"].startswith("http") and "X-Amz-Signature" in hits[0]["artifact"]["url"]
+    assert_presigned(hits[0])
 
 
-def measure(base_url: str, token: str, bodies: list[bytes], clients: int, requests: int, warmup: int) -> list[float]:
-    """Latencies (ms) of ``clients`` x ``requests`` resolves sent back to back by ``clients`` threads."""
+def check_discover(base_url: str, token: str, body: bytes) -> None:
+    """The figure is of answers with candidates: a sampled declaration matches its records, not none."""
+    candidates = post(base_url, token, DISCOVER, body)["candidates"]
+    assert len(candidates) == MATCHES_PER_DECLARATION, f"{len(candidates)} candidates"
+    assert_presigned(candidates[0])
+
+
+def assert_presigned(hit: dict) -> None:
+    assert hit["artifact"]["url"].startswith("http") and "X-Amz-Signature" in hit["artifact"]["url"]
+
+
+def measure(base_url: str, token: str, path: str, bodies: list[bytes], clients: int, requests: int,
+            warmup: int) -> list[float]:
+    """Latencies (ms) of ``clients`` x ``requests`` posts to ``path`` sent back to back by ``clients`` threads."""
     latencies: list[float] = []
     lock = threading.Lock()
     barrier = threading.Barrier(clients)
@@ -159,11 +221,11 @@ def measure(base_url: str, token: str, bodies: list[bytes], clients: int, reques
                     barrier.wait()
                 body = bodies[(index * 7919 + i) % len(bodies)]
                 started = time.perf_counter()
-                response = http.post("/v1/compiled-graphs:resolve", content=body)
+                response = http.post(path, content=body)
                 response.read()
                 elapsed = (time.perf_counter() - started) * 1000
                 if response.status_code != 200:
-                    raise RuntimeError(f"resolve answered {response.status_code}: {response.text[:200]}")
+                    raise RuntimeError(f"{path} answered {response.status_code}: {response.text[:200]}")
                 if i >= warmup:
                     mine.append(elapsed)
         with lock:
@@ -182,17 +244,27 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
 
 
-def run_size(stack, token: str, records: int, args, rng: random.Random) -> tuple[float, float]:
-    bodies = request_bodies(records, 64, rng)
-    check_answer(stack.base_url, token, bodies[0])
+def run(stack, token: str, records: int, path: str, bodies: list[bytes], clients: int, requests: int,
+        warmup: int) -> tuple[float, float]:
+    """(p50, p99) in ms of ``path`` at ``records`` records, logged with throughput."""
     started = time.perf_counter()
-    latencies = measure(stack.base_url, token, bodies, args.clients, args.requests, args.warmup)
+    latencies = measure(stack.base_url, token, path, bodies, clients, requests, warmup)
     wall = time.perf_counter() - started
     p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
-    log(f"{records:>7} records: {len(latencies)} resolves by {args.clients} clients in {wall:.1f} s "
+    log(f"{records:>7} records: {len(latencies)} {path.rsplit(':', 1)[1]} by {clients} clients in {wall:.1f} s "
         f"({len(latencies) / wall:.0f}/s): p50 {p50:.1f} ms, p90 {percentile(latencies, 0.9):.1f} ms, "
         f"p99 {p99:.1f} ms, max {max(latencies):.1f} ms")
     return p50, p99
+
+
+def run_size(stack, token: str, records: int, args, rng: random.Random) -> dict[str, tuple[float, float]]:
+    """Resolve then discover at ``records`` records, by ``--clients`` clients: {path: (p50, p99)}."""
+    figures = {}
+    for path, bodies, check in ((RESOLVE, request_bodies(records, 64, rng), check_resolve),
+                                (DISCOVER, discover_bodies(records, 64, rng), check_discover)):
+        check(stack.base_url, token, bodies[0])
+        figures[path] = run(stack, token, records, path, bodies, args.clients, args.requests, args.warmup)
+    return figures
 
 
 def main() -> None:
@@ -204,15 +276,24 @@ def main() -> None:
         started = time.perf_counter()
         seed(stack.database_url, 0, args.small)
         log(f"seeded {args.small} records in {time.perf_counter() - started:.1f} s")
-        p50_small, p99_small = run_size(stack, token, args.small, args, rng)
+        small = run_size(stack, token, args.small, args, rng)
         started = time.perf_counter()
         seed(stack.database_url, args.small, args.large)
         log(f"seeded {args.large - args.small} more records in {time.perf_counter() - started:.1f} s")
-        p50_large, p99_large = run_size(stack, token, args.large, args, rng)
+        large = run_size(stack, token, args.large, args, rng)
+        # One client alone, as many requests as all clients sent: its p99 is then a percentile, not the max.
+        _, one_client_p99 = run(stack, token, args.large, DISCOVER, discover_bodies(args.large, 64, rng), 1,
+                                args.clients * args.requests, args.warmup)
+    result = {}
+    for prefix, path in (("", RESOLVE), ("discover_", DISCOVER)):
+        (p50_small, p99_small), (p50_large, p99_large) = small[path], large[path]
+        result.update({
+            f"{prefix}p50_ms_1k": round(p50_small, 2), f"{prefix}p99_ms_1k": round(p99_small, 2),
+            f"{prefix}p50_ms_100k": round(p50_large, 2), f"{prefix}p99_ms_100k": round(p99_large, 2),
+            f"{prefix}p99_ratio": round(p99_large / p99_small, 3),
+        })
     emit_result({
-        "p50_ms_1k": round(p50_small, 2), "p99_ms_1k": round(p99_small, 2),
-        "p50_ms_100k": round(p50_large, 2), "p99_ms_100k": round(p99_large, 2),
-        "p99_ratio": round(p99_large / p99_small, 3),
+        **result, "discover_one_client_p99_ms_100k": round(one_client_p99, 2),
         "clients": args.clients, "requests": args.clients * args.requests, "workers": args.workers,
     })
 
