@@ -8,6 +8,7 @@ is served compiled is bound to the live model's own state.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ import torch
 from cgstore_client import Booted, Client, CompiledRequired
 from cgstore_client.archive import inspect
 from cgstore_client.binding import code_fingerprint
-from cgstore_client.keys import Envelope
+from cgstore_client.keys import Envelope, Toolchain
 from cgstore_client.mint import derived_constants_path, environment_sm, environment_toolchain
 
 from tests.support.archives import REPO, tiny_inputs, tiny_model
@@ -35,9 +36,8 @@ RELEASE = "endpoint-7"
 CONFIRM_TIMEOUT_S = 300  # an export on a loaded 2-core machine
 
 
-@pytest.fixture
-def declared(store, pt2_archive, tmp_path):
-    """Archive A published (with its release and code fingerprint) under this environment's toolchain and sm."""
+def publish_archive_a(store, pt2_archive, tmp_path, code: str):
+    """Archive A published (with its release and ``code``) under this environment's toolchain and sm, in a new repo."""
     archive = tmp_path / "mint" / "model.pt2"
     archive.parent.mkdir()
     shutil.copy(pt2_archive, archive)
@@ -46,8 +46,14 @@ def declared(store, pt2_archive, tmp_path):
     token = store.mint("mint-child", f"{repo}:read,write")
     with Client(store.base_url, token, cache_dir=tmp_path / "mint-cache") as client:
         published = client.publish(repo, archive, family=FAMILY, envelope=ENVELOPE, toolchain=environment_toolchain(),
-                                   sm=environment_sm("cpu"), release=RELEASE, code=code_fingerprint(tiny_model(0)))
+                                   sm=environment_sm("cpu"), release=RELEASE, code=code)
     return repo, token, published.key, inspect(archive).graph_digest
+
+
+@pytest.fixture
+def declared(store, pt2_archive, tmp_path):
+    """Archive A published with the code fingerprint of :func:`tiny_model`'s source."""
+    return publish_archive_a(store, pt2_archive, tmp_path, code_fingerprint(tiny_model(0)))
 
 
 def boot(client: Client, model, **options) -> Booted:
@@ -265,3 +271,65 @@ def test_a_model_that_cannot_be_exported_is_unconfirmed_served_eager_before_and_
         assert background.wait_confirmed(CONFIRM_TIMEOUT_S) == "skipped"
     assert not before.compiled and before.reason.startswith("unconfirmed") and before.confirmation == "skipped"
     assert background.compiled and background.reason is None
+
+
+# The tiny model's class (``tiny_model()``'s defaults) in a file of its own, so that its source can be edited.
+TINY_MODEL_FILE = """
+import torch
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.register_buffer("scale", torch.rand(4))
+        self.register_buffer("table", torch.arange(3, dtype=torch.float32), persistent=False)
+
+    def forward(self, inputs, offset):
+        h = torch.relu(self.lin(inputs["x"]) * self.scale + inputs["y"])
+        steps = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=h.dtype)
+        return h + self.table.sum() * 0.5 + offset + steps
+"""
+EDITED_LINE = ("offset + steps\n", "offset + steps * 1.0\n")  # a real change to forward: one more op
+
+
+def model_from_file(path, source: str, seed: int = 3) -> torch.nn.Module:
+    """``TinyModel`` from ``source`` written to ``path`` and imported from there (a module of its own)."""
+    path.write_text(source)
+    name = f"tiny_model_file_{path.parent.name}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # inspect finds a class's source file through its module
+    spec.loader.exec_module(module)
+    torch.manual_seed(seed)
+    return module.TinyModel()
+
+
+def test_an_edit_to_the_model_class_file_finds_no_candidate_by_code_fingerprint(store, pt2_archive, tmp_path):
+    original = model_from_file(tmp_path / "original.py", TINY_MODEL_FILE)
+    edited = model_from_file(tmp_path / "edited.py", TINY_MODEL_FILE.replace(*EDITED_LINE))
+    assert code_fingerprint(edited) != code_fingerprint(original)
+    _, token, key, _ = publish_archive_a(store, pt2_archive, tmp_path, code_fingerprint(original))
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        served = boot(client, original)
+        by_code = boot(client, edited)
+        # Without the fingerprint the structural gate passes (same tensors): only an export says the graph differs.
+        by_structure = boot(client, edited, code=False, confirm="before", example_inputs=tiny_inputs())
+    assert served.compiled and served.loaded.key == key and same_outputs(served, original)
+    assert not by_code.compiled and by_code.loaded is None
+    assert by_code.reason == "miss: no candidate for this declaration"
+    assert by_structure.loaded.key == key and by_structure.confirmation == "drift"
+    assert not by_structure.compiled and by_structure.reason.startswith("drift")
+
+
+def test_a_recorded_library_version_other_than_the_records_finds_no_candidate(store, declared, tmp_path):
+    _, token, key, _ = declared
+    toolchain = environment_toolchain()  # what the record was published with
+    other = Toolchain({**toolchain.components, **toolchain.recorded, "transformers": "0.0.1"})  # keyed: the same
+    live = tiny_model(seed=3)
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        same = boot(client, live, toolchain=toolchain)
+        newer = boot(client, live, toolchain=other)
+    assert same.compiled and same.loaded.key == key
+    assert not newer.compiled and newer.loaded is None
+    assert newer.reason == "miss: no candidate for this declaration"
