@@ -206,14 +206,10 @@ def read_chunks(path: Path, chunk_bytes: int = MiB) -> Iterator[bytes]:
 # -- the running stack ----------------------------------------------------------------------
 
 @dataclass
-class Stack:
-    """PostgreSQL database + moto_server + a bucket + the store process using them."""
+class _StoreProcessStack:
+    """A store running as its own process: its URL, its pid, and tokens minted by its CLI."""
 
     store: services.StoreProcess
-    s3: services.S3Server
-    bucket: str
-    database_url: str
-    home: Path
 
     @property
     def base_url(self) -> str:
@@ -223,13 +219,23 @@ class Stack:
     def server_pid(self) -> int:
         return self.store.process.pid
 
-    @property
-    def moto_pid(self) -> int:
-        return self.s3.process.pid
-
     def mint(self, sub: str, *grants: str, ttl: str = "1h") -> str:
         """A token minted by the store's own CLI, in the store's environment."""
         return mint_token(self.store.env, sub, *grants, ttl=ttl)
+
+
+@dataclass
+class Stack(_StoreProcessStack):
+    """PostgreSQL database + moto_server + a bucket + the store process using them."""
+
+    s3: services.S3Server
+    bucket: str
+    database_url: str
+    home: Path
+
+    @property
+    def moto_pid(self) -> int:
+        return self.s3.process.pid
 
 
 def mint_token(env: dict[str, str], sub: str, *grants: str, ttl: str = "1h") -> str:
@@ -242,22 +248,10 @@ def mint_token(env: dict[str, str], sub: str, *grants: str, ttl: str = "1h") -> 
 
 
 @dataclass
-class EmbeddedStack:
+class EmbeddedStack(_StoreProcessStack):
     """The store in its embedded default (SQLite + a blob directory under its home), as a process."""
 
-    store: services.StoreProcess
     home: Path
-
-    @property
-    def base_url(self) -> str:
-        return self.store.base_url
-
-    @property
-    def server_pid(self) -> int:
-        return self.store.process.pid
-
-    def mint(self, sub: str, *grants: str, ttl: str = "1h") -> str:
-        return mint_token(self.store.env, sub, *grants, ttl=ttl)
 
 
 @contextlib.contextmanager
