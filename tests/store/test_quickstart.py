@@ -1,4 +1,9 @@
-"""The README's quick start, done literally: serve on the embedded default, mint, curl up and down."""
+"""The README's quick start, done literally: serve on the embedded default, mint, curl up and down.
+
+``test_the_readme_quick_start_runs_as_written`` runs the README's own block
+(``<!-- example: quick-start -->``) with bash against the served store, so the
+text cannot drift from what works; the other tests check each step's result.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import blake3
 import httpx
 import pytest
 
+from tests.support.docs import example
 from tests.support.services import REPO_ROOT, free_port, stop_process, wait_for_port
 
 CGSTORE = [sys.executable, "-m", "cgstore.cli"]
@@ -32,6 +38,17 @@ def embedded_server(tmp_path):
 
 def curl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["curl", "-sS", *args], capture_output=True, check=True)
+
+
+def test_the_readme_quick_start_runs_as_written(embedded_server):
+    base_url, env, workdir = embedded_server
+    script = example("quick-start").replace("http://127.0.0.1:8080", base_url)
+    (workdir / ".venv").symlink_to(REPO_ROOT / ".venv")
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "identical"
+    assert (workdir / "back.pt2").read_bytes() == (workdir / "model.pt2").read_bytes()
 
 
 def test_quick_start_with_curl(embedded_server):
