@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from cgstore_client.keys import Envelope, Toolchain, ck1
 
 from cgstore.audit.models import AuditEvent
 from tests.audit.conftest import rows
 from tests.compiled_graphs.support import TOOLCHAIN, error_code, publication, publish
-from tests.support.live_store import unique_repo
+from tests.support.live_store import CONFIGURATIONS, unique_repo
 
 
 def _mismatched(pt2_archive, report_a, constants_a):
@@ -16,7 +17,11 @@ def _mismatched(pt2_archive, report_a, constants_a):
     return pub
 
 
-def test_refused_publishes_are_audited_and_repeats_counted(store, pt2_archive, report_a, constants_a):
+@pytest.mark.parametrize("configuration", CONFIGURATIONS)
+def test_refused_publishes_are_audited_and_repeats_counted(make_store, configuration, pt2_archive, report_a, constants_a):
+    # One audit interval for the whole test: a periodic flush in between would start a new
+    # interval, and the next repeat would rightly get a row of its own again.
+    store = make_store(configuration, audit_interval_s=3600)
     name, actor = unique_repo(), unique_repo("refuser")
     token = store.mint(actor, f"acme/{name}:read,write")
     mismatched = _mismatched(pt2_archive, report_a, constants_a)
