@@ -139,23 +139,27 @@ class DenialLog:
             aggregate.add(now, message, path)
 
     def defer(self, *, actor: str, jti: str | None, action: str, target: str, repo: str | None, outcome: str,
-              source: str, message: str) -> None:
-        """Queue a hidden miss's own row for the next ``flush``. No I/O: called on the event loop."""
+              source: str, message: str, hidden: bool = True) -> None:
+        """Queue a miss's row for the next ``flush``, which writes it only when ``hidden`` (a
+        denial answered as a miss). No I/O: called on the event loop. Absent misses are queued
+        too, so that a hidden one costs exactly what an absent one does."""
         with self._lock:
             if len(self._deferred) < self._max_sources:
                 self._deferred.append({
                     "actor": actor, "jti": jti, "action": action, "target": target[: TARGET_LEN + 1], "repo": repo,
                     "outcome": outcome, "source": source, "at": utcnow(),
-                    "detail": {"message": message[: DETAIL_STRING_LEN + 1]},
+                    "detail": {"message": message[: DETAIL_STRING_LEN + 1]}, "hidden": hidden,
                 })
                 return
-        self.count(source=source, outcome=outcome, message=message, path=target, actor=actor, action=action)
+        if hidden:
+            self.count(source=source, outcome=outcome, message=message, path=target, actor=actor, action=action)
 
     @property
     def pending(self) -> int:
         """Denials accounted for but not yet written."""
         with self._lock:
-            return sum(aggregate.count for aggregate in self._pending.values()) + len(self._deferred)
+            hidden = sum(1 for row in self._deferred if row.get("hidden", True))
+            return sum(aggregate.count for aggregate in self._pending.values()) + hidden
 
     def flush(self) -> int:
         """Write the deferred rows and one row per pending (source, outcome) in one transaction;
@@ -166,7 +170,8 @@ class DenialLog:
         """
         with self._lock:
             taken, self._pending = self._pending, {}
-            deferred, self._deferred = self._deferred, []
+            deferred = [row for row in self._deferred if row.pop("hidden", True)]  # put back: already kept
+            self._deferred = []
             self._written.clear()
         if not taken and not deferred:
             return 0
@@ -238,8 +243,10 @@ async def audit_denial(request: Request, err: StoreError) -> None:
         "outcome": err.code,
         "source": source,
     }
-    if err.hides_denial:  # answered in the time an absent miss takes: written by the next flush
-        context.denials.defer(**fields, message=err.message)
+    if err.status == 404:
+        # Hidden and absent misses do the same work here, so neither answers later than the
+        # other: each queues its facts; the next flush writes the hidden ones and drops the rest.
+        context.denials.defer(**fields, message=err.message, hidden=err.hides_denial)
         return
     await run_in_threadpool(record_denial, context.db, **fields, detail={"message": err.message})
 

@@ -112,7 +112,9 @@ def _body_unread(request: Request) -> bool:
 
 
 def _is_denial(err: StoreError) -> bool:
-    return err.status in (401, 403) or err.hides_denial
+    """Refusals, and every 404: a miss that hides a denial and one that does not must do the
+    same work on the request path (the hook tells them apart only when it writes, later)."""
+    return err.status in (401, 403, 404) or err.hides_denial
 
 
 def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) -> None:
