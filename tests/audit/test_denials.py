@@ -14,6 +14,7 @@ import blake3
 import pytest
 import sqlalchemy.exc
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 from starlette.requests import Request
 
 from cgstore.audit.denials import AGGREGATE_ACTION, DenialLog, audit_denial
@@ -210,6 +211,52 @@ def test_hidden_misses_are_deferred_one_row_each_and_counted_beyond_the_bound(st
         ("", 1, ""), ("j0", 1, f"acme/{marker}"), ("j1", 1, f"acme/{marker}")
     ]
     assert all((row.actor, row.outcome, row.source) == ("bob", "NAME_UNKNOWN", "192.0.2.3") for row in written)
+
+
+def test_a_probe_decides_at_the_flush_whether_a_miss_hid_a_denial(store):
+    """A private cache's miss carries a probe (``maybe_hidden_miss``) the flush runs in its own session:
+    a row only where the probe finds another principal's item; an absent miss is dropped."""
+    denials = DenialLog(store.context.db, interval_s=NO_FLUSH, max_sources=10)
+    marker = unique_repo("probed")
+    asked: list[str] = []
+
+    def probe(answer: bool, name: str):
+        def ask(session, at) -> bool:
+            assert isinstance(session, Session) and session.is_active  # the flush's own session
+            asked.append(name)
+            return answer
+        return ask
+
+    for name, answer in [("hidden", True), ("absent", False), ("plain-absent", False)]:
+        hidden = probe(answer, name) if name != "plain-absent" else False
+        denials.defer(actor="bob", jti=name, action="HEAD x", target=f"/{marker}/{name}", repo=f"acme/{marker}",
+                      outcome="BLOB_UNKNOWN", source="192.0.2.4", message="blob unknown to this repo", hidden=hidden)
+    assert asked == []  # nothing asked on the request path
+    first = last_id(store)
+    assert denials.flush() == 1 and denials.pending == 0
+    assert asked == ["hidden", "absent"]  # the plain absent miss needs no question
+    written = rows(store, AuditEvent.id > first, AuditEvent.target.contains(marker))
+    assert [(row.jti, row.target) for row in written] == [("hidden", f"/{marker}/hidden")]
+
+
+def test_a_failed_flush_keeps_the_probed_misses(tmp_path):
+    """No schema yet: the flush fails, the probed row waits for the next one, which writes it."""
+    url = f"sqlite:///{tmp_path / 'late-schema.sqlite3'}"
+    db = Database(url)
+    try:
+        denials = DenialLog(db, interval_s=NO_FLUSH, max_sources=10)
+        denials.defer(actor="bob", jti="j", action="GET x", target="/acme/x", repo="acme/x", outcome="NAME_UNKNOWN",
+                      source="192.0.2.5", message="no such compiled graph", hidden=lambda session, at: True)
+        with pytest.raises(sqlalchemy.exc.OperationalError, match="no such table: audit_"):
+            denials.flush()
+        assert denials.pending == 1
+        migrate.upgrade(url)
+        assert denials.flush() == 1 and denials.pending == 0
+        with db.session() as session:
+            (row,) = session.scalars(select(AuditEvent)).all()
+    finally:
+        db.dispose()
+    assert (row.jti, row.outcome, row.count) == ("j", "NAME_UNKNOWN", 1)
 
 
 def test_an_aggregate_keeps_bounded_samples_of_huge_paths(store):

@@ -46,8 +46,9 @@ from cgstore.core.errors import (
     RangeInvalid,
     SizeInvalid,
     TooLarge,
+    StoreError,
     Unavailable,
-    hidden_miss,
+    maybe_hidden_miss,
 )
 from cgstore.core.faults import crash_point
 from cgstore.core.names import split_repo_path
@@ -85,13 +86,48 @@ def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str
         found = readable_repo(
             session, claims, owner, repo, BlobUnknown, "blob unknown to this repo", digest=digest
         )
-        size = session.execute(visible_blobs(claims, found, [digest])).first()
-        hidden = size is None and session.execute(_linked_blobs(found, [digest])).first() is not None
-    if hidden:  # linked by another principal of a private cache: the same miss, audited as a denial
-        raise hidden_miss(BlobUnknown, "blob unknown to this repo", digest=digest)
+        size = _visible_size(session, claims, found, digest)
     if size is None:
-        raise BlobUnknown("blob unknown to this repo", digest=digest)
+        raise _blob_miss(claims, found, digest)
     return BlobLocation(digest, size.size)
+
+
+def _blob_miss(claims: Claims, target: Repo, digest: str) -> StoreError:
+    """The miss of ``digest`` in ``target``; in a private cache, audited as a denial if another principal holds it."""
+    reader = access.private_reader(claims, target.visibility)
+    if reader is None:
+        return BlobUnknown("blob unknown to this repo", digest=digest)
+
+    repo_id = target.id  # read now: the probe runs after this session has closed
+
+    def held_by_another(session: Session, at: dt.datetime) -> bool:
+        return session.scalar(
+            select(RepoBlobHolder.principal).where(
+                RepoBlobHolder.repo_id == repo_id, RepoBlobHolder.digest == digest,
+                RepoBlobHolder.principal != reader, RepoBlobHolder.created_at <= at,
+            ).limit(1)
+        ) is not None
+
+    return maybe_hidden_miss(BlobUnknown, "blob unknown to this repo", held_by_another, digest=digest)
+
+
+def _visible_size(session: Session, claims: Claims, target: Repo, digest: str):
+    """The ``(digest, size)`` row of ``digest`` in ``target`` if ``claims`` may see it, else None.
+
+    In a private cache the reader's own holder row is looked up first, on its
+    own: another principal's blob and an absent one then both end at that one
+    index probe, where a join would go on to load the other holder's rows and
+    answer measurably later (the timing leak of issue 15 §3; ``_blob_miss``
+    leaves telling them apart to the audit's flush).
+    """
+    reader = access.private_reader(claims, target.visibility)
+    if reader is not None:
+        mine = select(RepoBlobHolder.digest).where(
+            RepoBlobHolder.repo_id == target.id, RepoBlobHolder.digest == digest, RepoBlobHolder.principal == reader
+        )
+        if session.scalar(mine) is None:
+            return None
+    return session.execute(_linked_blobs(target, [digest])).first()
 
 
 def _linked_blobs(target: Repo, digests: list[str]):

@@ -8,9 +8,16 @@ status code. Nothing else in the server builds an error response.
 
 from __future__ import annotations
 
+import datetime as dt
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from cgstore_client import errors as client_errors
+from sqlalchemy.orm import Session
+
+#: Whether a miss hid an item the caller may not read at the time it was answered (the second
+#: argument), asked of the database when its audit row is due.
+DenialProbe = Callable[[Session, dt.datetime], bool]
 
 
 class StoreError(Exception):
@@ -19,7 +26,8 @@ class StoreError(Exception):
     code: ClassVar[str] = "INTERNAL"
     status: ClassVar[int] = 500
     #: A miss that answers a read the caller may not make: looks like any miss, audited as a denial.
-    hides_denial: bool = False
+    #: A callable instead (``maybe_hidden_miss``) decides that later, off the request path.
+    hides_denial: bool | DenialProbe = False
 
     def __init__(self, message: str, **detail: Any) -> None:
         super().__init__(message)
@@ -229,6 +237,16 @@ def hidden_miss(err_type: type[StoreError], message: str, **detail: Any) -> Stor
     """A miss identical to a real one on the wire, marked so it is audited as a denial."""
     err = err_type(message, **detail)
     err.hides_denial = True
+    return err
+
+
+def maybe_hidden_miss(err_type: type[StoreError], message: str, probe: DenialProbe, **detail: Any) -> StoreError:
+    """A miss in a private cache, where finding out whether it hides another principal's item
+    would cost the request a second lookup that an absent item does not (a measurable time).
+    ``probe(session, answered_at)`` answers it when the audit writes the miss's row, off the
+    request path; asked of the time of the answer, so an item put there since does not count."""
+    err = err_type(message, **detail)
+    err.hides_denial = probe
     return err
 
 
