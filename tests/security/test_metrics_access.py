@@ -6,6 +6,7 @@ families other tenants resolve in their private caches. Both configurations.
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import httpx
@@ -92,3 +93,24 @@ def test_only_allow_listed_families_are_labels(make_store, configuration):
     assert f'cgstore_resolve_answers_total{{family="{ALLOWED_FAMILY}",status="miss"}} 1.0' in text
     assert 'cgstore_resolve_answers_total{family="other",status="miss"} 1.0' in text
     assert family not in text
+
+
+def _denials(text: str, code: str) -> float:
+    line = re.search(rf'^cgstore_denials_total{{code="{code}"}} (\S+)$', text, re.MULTILINE)
+    return float(line.group(1)) if line else 0.0
+
+
+def test_refusals_are_counted_by_code_and_hidden_misses_are_not(store):
+    """401s and 403s move ``cgstore_denials_total{code}``; a 404, hidden or not, moves nothing there."""
+    before = store.scrape_metrics()
+    repo = unique_repo("denied")
+    with store.client("not-a-token") as client:
+        assert client.get(f"/v1/repos/acme/{repo}/compiled-graphs").status_code == 401
+    with store.client(store.mint("mallory", f"acme/{repo}:read")) as client:
+        assert client.put(f"/v1/repos/root/{repo}/blobs/blake3:{'0' * 64}", content=b"x").status_code == 403
+        assert client.get(f"/v1/repos/other/{repo}/compiled-graphs").status_code == 404
+    after = store.scrape_metrics()
+    assert _denials(after, "TOKEN_INVALID") - _denials(before, "TOKEN_INVALID") == 1
+    moved = {code for code in ("DENIED", "ROOT_RESERVED") if _denials(after, code) > _denials(before, code)}
+    assert len(moved) == 1, after
+    assert "NAME_UNKNOWN" not in {m for m in re.findall(r'cgstore_denials_total\{code="(\w+)"\}', after)}

@@ -128,6 +128,8 @@ def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) ->
 
     @app.exception_handler(StoreError)
     async def store_error(request: Request, err: StoreError) -> JSONResponse:
+        if err.status in (401, 403):
+            request.app.state.context.metrics.denials.labels(err.code).inc()
         if on_denial is not None and _is_denial(err):
             await on_denial(request, err)
         if isinstance(err, Unavailable):

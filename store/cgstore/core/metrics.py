@@ -58,6 +58,13 @@ class Metrics:
             ["outcome", "code"],
             registry=self.registry,
         )
+        self.denials = Counter(
+            "cgstore_denials_total",
+            "Requests refused 401 or 403, by protocol code (a hidden miss answers 404 like an absent one "
+            "and is counted only in the audit log).",
+            ["code"],
+            registry=self.registry,
+        )
         self.internal_errors = Counter(
             "cgstore_internal_errors_total",
             "Requests answered 500 INTERNAL (an unexpected failure; its traceback is in the log).",
