@@ -38,7 +38,7 @@ import blake3
 from cgstore_client import boot as reasons
 from cgstore_client.boot import Eager, Loaded, admits_contract
 from cgstore_client.client import Client, _entry, _parsed, _record, split_repo
-from cgstore_client.errors import CgstoreError, CompiledRequired, Offline, Unavailable
+from cgstore_client.errors import CgstoreError, CompiledRequired, NotFound, Offline, Unavailable
 from cgstore_client.keys import Envelope, Toolchain, canonical_json
 from cgstore_client.wire.discovery import (
     DEFAULT_DISCOVER_LIMIT,
@@ -138,8 +138,8 @@ def discover_request(
 def discover(client: Client, request: DiscoverRequest) -> list[Candidate]:
     """The store's candidates for ``request``, best first; offline or with the store down, the cached answer.
 
-    Raises :class:`Offline` (offline) or :class:`Unavailable` (store down) when
-    no answer to this very request is cached.
+    Raises :class:`Offline` (offline) or :class:`Unavailable` (store down, or a
+    store older than the discover route) when no answer to this very request is cached.
     """
     body = request.model_dump(mode="json", exclude_none=True)
     cached_at = client.cache.discover_path("blake3:" + blake3.blake3(canonical_json(body, hashed=False)).hexdigest())
@@ -149,6 +149,8 @@ def discover(client: Client, request: DiscoverRequest) -> list[Candidate]:
         answer = client.transport.request("POST", "/v1/compiled-graphs:discover", json=body)
     except Unavailable as err:
         return _cached_candidates(client, cached_at, err)
+    except NotFound as err:  # a miss is a 200 with no candidates: a 404 is a store from before the route
+        return _cached_candidates(client, cached_at, Unavailable(f"this store does not serve discovery ({err})"))
     candidates = _parsed(DiscoverAnswer, answer.content).candidates
     client.cache.write_json(cached_at, {"candidates": [c.model_dump(mode="json") for c in candidates]})
     return candidates

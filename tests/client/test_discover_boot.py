@@ -8,12 +8,15 @@ is served compiled is bound to the live model's own state.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -195,6 +198,49 @@ def test_with_the_store_down_boot_answers_from_a_warm_cache(store, declared, tmp
     with Client(gone, token, cache_dir=tmp_path / "cold") as cold:
         eager = boot(cold, live)
     assert not eager.compiled and eager.reason.startswith("store unavailable")
+
+
+@contextlib.contextmanager
+def store_before_discovery():
+    """A store from before ``:discover``: every route it lacks answers the protocol's 404."""
+    body = json.dumps({"error": {"code": "NOT_FOUND", "message": "Not Found", "detail": {}}}).encode()
+
+    class Old(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the stdlib's name)
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Old)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_store_without_the_discover_route_boots_from_the_cache_or_eager(store, declared, tmp_path):
+    """An older store answers ``:discover`` 404: a worker serves what it cached, else eager, never raises."""
+    _, token, key, _ = declared
+    live = tiny_model(seed=3)
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        assert boot(client, live).compiled
+    with store_before_discovery() as old:
+        with Client(old, token, cache_dir=tmp_path / "c") as warm:
+            served = boot(warm, live)
+        with Client(old, token, cache_dir=tmp_path / "cold") as cold:
+            eager = boot(cold, live)
+            with pytest.raises(CompiledRequired, match="does not serve discovery"):
+                boot(cold, live, mandatory=True)
+    assert served.compiled and served.loaded.key == key and same_outputs(served, live)
+    assert not eager.compiled and eager.reason.startswith("store unavailable: this store does not serve discovery")
 
 
 def test_the_docs_boot_by_declaration_runs_as_written(make_store, pt2_archive, tmp_path, monkeypatch):
