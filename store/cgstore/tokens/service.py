@@ -443,6 +443,7 @@ class TokenService:
 
         Read one generation at a time, each a single query, at most ``MAX_CHAIN_DEPTH`` of them.
         """
+        jtis = list(jtis)
         parents: dict[str, str | None] = {}
         frontier = set(jtis)
         with self._db.session() as session:
