@@ -24,7 +24,7 @@ from cgstore.core.cursors import CursorSeal
 from cgstore.core.db import Database
 from cgstore.compiled_graphs.router import repo_router as compiled_graphs_router
 from cgstore.compiled_graphs.router import resolve_router as compiled_graphs_resolve_router
-from cgstore.console.router import ConsoleHeaders
+from cgstore.console.router import ConsoleHeaders, error_page
 from cgstore.console.router import router as console_router
 from cgstore.core.http import ERROR_RESPONSES, install_error_handlers, install_request_schemas
 from cgstore.core.inputs import refuse_unstorable_parameters
@@ -169,7 +169,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         dependencies=[Depends(refuse_unstorable_parameters)],
     )
     app.state.context = ctx
-    install_error_handlers(app, on_denial=audit_denial)
+    install_error_handlers(app, on_denial=audit_denial, as_page=error_page)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     # Outermost: the console's security headers reach every answer under /console, a last-resort 500 included.
     app.add_middleware(ConsoleHeaders)

@@ -370,6 +370,13 @@ def test_bad_filter_input_shows_the_page_with_an_error(store, console, path, par
     assert '<form method="get" class="filters"' in answer.text
 
 
+def test_a_query_no_database_stores_gets_a_page_too(console):
+    answer = console.get("/console/records", params={"family": "a\x00b"})  # refused by the app-wide input rule
+    assert answer.status_code == 400 and h1(answer.text) == "Bad request"
+    assert 'class="message"' in answer.text and "NUL" in answer.text
+    _assert_secure_headers(answer)
+
+
 def test_console_reads_are_audited(store, console, admin, registry):
     jti = store.context.tokens.verify(admin).jti
     console.get("/console/records", params={"family": registry.family})

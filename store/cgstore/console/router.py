@@ -115,8 +115,7 @@ class ConsoleHeaders:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        if path != PREFIX and not path.startswith(PREFIX + "/"):
+        if scope["type"] != "http" or not _under_console(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
 
@@ -161,6 +160,18 @@ def _clear_cookie(response: Response, request: Request) -> Response:
 def _to_login(request: Request, *, clear: bool) -> Response:
     response = RedirectResponse(LOGIN, status_code=303)
     return _clear_cookie(response, request) if clear else response
+
+
+def _under_console(path: str) -> bool:
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+def error_page(request: Request, err: StoreError) -> Response | None:
+    """The app's page hook (``core.http.install_error_handlers``): a console request refused before its route
+    ran (the app-wide input rule refuses a NUL in the query) gets a page, not the API's JSON body."""
+    if not _under_console(request.url.path) or err.status != 400:
+        return None
+    return _message(400, "Bad request", err.message)
 
 
 def _source(request: Request) -> str:
