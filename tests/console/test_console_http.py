@@ -46,7 +46,7 @@ def _record_path(repo: str, key: str) -> str:
 def test_the_sign_in_form(store):
     with store.client() as client:
         page = client.get("/console/login")
-    assert page.status_code == 200 and h1(page.text) == "Sign in"
+    assert page.status_code == 200 and h1(page.text) == "Admin console"
     assert '<form method="post" action="/console/login"' in page.text
     assert re.search(r'<input name="token" type="password"', page.text)
     assert ">Sign in</button>" in page.text
@@ -97,7 +97,7 @@ def test_an_invalid_token_gets_the_form_again_with_the_reason(store):
     with httpx.Client(base_url=store.base_url, follow_redirects=False) as client:
         answer = client.post("/console/login", data={"token": "not-a-token"})
         empty = client.post("/console/login", data={"token": ""})
-    assert answer.status_code == 401 and h1(answer.text) == "Sign in"
+    assert answer.status_code == 401 and h1(answer.text) == "Admin console"
     assert 'class="error"' in answer.text and "malformed token" in answer.text
     assert "set-cookie" not in answer.headers
     assert empty.status_code == 401 and 'class="error"' in empty.text
@@ -106,9 +106,14 @@ def test_an_invalid_token_gets_the_form_again_with_the_reason(store):
 def test_a_sign_in_posted_from_another_origin_is_refused(store, admin):
     with httpx.Client(base_url=store.base_url, follow_redirects=False) as client:
         answer = client.post("/console/login", data={"token": admin}, headers={"Origin": "https://evil.example"})
+        # Under Referrer-Policy: no-referrer a browser's own form says "Origin: null"; Sec-Fetch-Site tells.
+        sandboxed = client.post("/console/login", data={"token": admin},
+                                headers={"Origin": "null", "Sec-Fetch-Site": "cross-site"})
         same = client.post("/console/login", data={"token": admin}, headers={"Origin": store.base_url})
-    assert answer.status_code == 403 and "set-cookie" not in answer.headers
-    assert same.status_code == 303
+        own_form = client.post("/console/login", data={"token": admin},
+                               headers={"Origin": "null", "Sec-Fetch-Site": "same-origin"})
+    assert answer.status_code == sandboxed.status_code == 403 and "set-cookie" not in answer.headers
+    assert same.status_code == own_form.status_code == 303
 
 
 def test_unauthenticated_pages_redirect_to_the_sign_in(store):

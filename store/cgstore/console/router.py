@@ -10,8 +10,9 @@ Sign-in keeps the admin token in a cookie (``HttpOnly``, ``SameSite=Strict``,
 verifies it again (``TokenService.verify``, as the bearer dependency does) and
 enforces the admin rule, so an expired or revoked token is signed out at the
 next page. The only state-changing requests are the sign-in and sign-out POSTs;
-``SameSite=Strict`` keeps the cookie off cross-site requests and a POST whose
-``Origin`` is not the store's own is refused, so no CSRF token is needed.
+``SameSite=Strict`` keeps the cookie off cross-site requests and a POST from
+another origin (``Origin``, or ``Sec-Fetch-Site`` when the browser sends
+``Origin: null``) is refused, so no CSRF token is needed.
 
 Refusals are audited like the JSON API's (``audit.denials.audit_denial``: 401s
 counted per source, 403s one row each); every page read by an admin is one
@@ -253,9 +254,18 @@ async def _page(
 
 
 def _cross_origin(request: Request) -> bool:
-    """Whether the POST comes from a page of another origin (an absent ``Origin`` is a same-origin form)."""
+    """Whether the POST comes from a page of another origin.
+
+    ``Origin``, when it names one, must be the store's own. Under ``Referrer-Policy:
+    no-referrer`` a browser sends ``Origin: null`` even for its own forms, so then the
+    browser's ``Sec-Fetch-Site`` decides (``same-origin``); a client sending neither
+    header is no browser another site could have steered.
+    """
     origin = request.headers.get("origin")
-    return origin is not None and origin != f"{request.url.scheme}://{request.url.netloc}"
+    if origin is not None and origin != "null":
+        return origin != f"{request.url.scheme}://{request.url.netloc}"
+    site = request.headers.get("sec-fetch-site")
+    return (origin is not None or site is not None) and site not in ("same-origin", "none")
 
 
 async def _form(request: Request) -> dict[str, str]:
