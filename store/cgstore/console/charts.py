@@ -76,7 +76,10 @@ def growth_chart(days: Sequence[tuple[str, int]]) -> Markup:
             f'<rect class="bar" x="{x + 2:.1f}" y="{base - bar:.1f}" width="{max(step - 4, 1):.1f}" height="{bar:.1f}">'
             f'<title>{escape(label)}: {size} bytes</title></rect>'
         )
-        if index == 0 or index == len(days) - 1:
+        if index == 0:
             parts.append(f'<text class="day" x="{x + 2:.1f}" y="{base + 16}">{escape(label)}</text>')
+        elif index == len(days) - 1:  # anchored at its end, so the last label stays inside the frame
+            parts.append(f'<text class="day" x="{x + step - 2:.1f}" y="{base + 16}" text-anchor="end">'
+                         f'{escape(label)}</text>')
     parts.append("</svg>")
     return Markup("".join(parts))

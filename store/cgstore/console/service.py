@@ -243,12 +243,15 @@ class StorageView:
 def storage(ctx: StoreContext, claims: Claims) -> StorageView:
     is_admin(claims).enforce()
     now = utcnow()
+    first_day = (now - dt.timedelta(days=GROWTH_DAYS - 1)).date()
     with ctx.db.session() as session:
         stored = admin.storage_bytes(session)
-        growth = blobs.growth_per_day(session, now - dt.timedelta(days=GROWTH_DAYS))
+        growth = blobs.growth_per_day(session, dt.datetime.combine(first_day, dt.time(), dt.UTC))
+    by_day = {day.day: day.bytes for day in growth}
+    every_day = [first_day + dt.timedelta(days=n) for n in range(GROWTH_DAYS)]  # a day with nothing is a gap
     return StorageView(
         storage=stored, growth=growth,
-        growth_chart=charts.growth_chart([(day.day.isoformat(), day.bytes) for day in growth]),
+        growth_chart=charts.growth_chart([(day.isoformat(), by_day.get(day, 0)) for day in every_day]),
         open_uploads=blobs.open_session_count(ctx), leases=leases.list_leases(ctx.db), now=now,
     )
 
