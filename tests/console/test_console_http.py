@@ -8,6 +8,7 @@ import time
 import uuid
 from urllib.parse import quote
 
+import blake3
 import httpx
 import pytest
 
@@ -412,3 +413,27 @@ def test_the_fit_chart_draws_each_lane_against_card_sizes():
 def test_quoting_in_links(console, registry):
     page = console.get("/console")
     assert f'href="/console/records?family={quote(registry.family)}"' in page.text
+
+
+def test_whole_registry_figures_are_reused_for_their_interval(make_store):
+    """``CGSTORE_CONSOLE_AGGREGATES_S``: the storage and overview sums are computed once per interval, with
+    their time; what is read per page (the records list) stays live."""
+    live = make_store("embedded", console_aggregates_s=3600)
+    admin = live.mint("console-admin", "*/*:admin")
+    writer = live.mint("writer", "acme/cache:read,write")
+
+    def blobs_figure(html: str) -> int:
+        return int(re.search(r'<tbody><tr>\s*<td class="num">(\d+)</td>', html).group(1))
+
+    with sign_in(live, admin) as console:
+        first = console.get("/console/storage").text
+        overview = console.get("/console").text
+        assert "Figures as of" in first and "computed at most every 3600 s" in first
+        with live.client(writer) as client:
+            data = uuid.uuid4().bytes * 100
+            digest = "blake3:" + blake3.blake3(data).hexdigest()
+            assert client.put(f"/v1/repos/acme/cache/blobs/{digest}", content=data).status_code == 201
+        again = console.get("/console/storage").text
+        assert blobs_figure(again) == blobs_figure(first)
+        assert re.findall(r"Figures as of (.*?) UTC", again) == re.findall(r"Figures as of (.*?) UTC", first)
+        assert console.get("/console").text.split("Figures as of")[1][:40] == overview.split("Figures as of")[1][:40]

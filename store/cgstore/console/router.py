@@ -345,7 +345,8 @@ async def static(name: str) -> Response:
 
 @router.get(PREFIX)
 async def overview(request: Request, ctx: StoreContext = Depends(get_context)) -> Response:
-    return await _page(request, ctx, "overview.html", lambda claims: service.overview(ctx, claims))
+    return await _page(request, ctx, "overview.html", lambda claims: service.overview(ctx, claims),
+                       aggregates_s=ctx.settings.console_aggregates_s)
 
 
 RECORD_FILTERS = ("family", "sm", "lane", "repo", "publisher", "health")
@@ -388,7 +389,8 @@ async def tokens(request: Request, ctx: StoreContext = Depends(get_context)) -> 
 
 @router.get(f"{PREFIX}/storage")
 async def storage(request: Request, ctx: StoreContext = Depends(get_context)) -> Response:
-    return await _page(request, ctx, "storage.html", lambda claims: service.storage(ctx, claims))
+    return await _page(request, ctx, "storage.html", lambda claims: service.storage(ctx, claims),
+                       aggregates_s=ctx.settings.console_aggregates_s)
 
 
 async def _filtered(request: Request, ctx: StoreContext, template: str, filters: tuple[str, ...],

@@ -15,14 +15,25 @@ record): hiding the records from the store's own view would protect nothing.
 
 Query text arrives as typed (``None`` for an empty form field); anything this
 module cannot use is ``BadRequest``, which the router shows on the page (400).
+
+The overview's and the storage page's figures are whole-registry aggregates
+(GROUP BY and SUM over every live record, blob and week of audit entries): at
+100 k records they take a few hundred milliseconds however the database runs
+them. So ``Aggregates`` computes each at most once per
+``CGSTORE_CONSOLE_AGGREGATES_S`` per process (one computation at a time; the
+others wait for it) and the page says when they were computed. Every other
+page reads live, bounded by its page size.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from cgstore_client.wire.admin import AdminStats, RecordSummary, StorageBytes
 from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
@@ -57,6 +68,27 @@ WINDOWS = (("24 h", dt.timedelta(hours=24)), ("7 d", dt.timedelta(days=7)))
 #: What a records page cursor is sealed to (``core.cursors``): it opens on no other listing.
 _RECORDS_SCOPE = "console-records"
 
+T = TypeVar("T")
+
+
+class Aggregates(Generic[T]):
+    """One set of figures, computed at most once per ``max_age_s`` (0: every time), one computation at a time."""
+
+    def __init__(self, compute: Callable[[StoreContext], T]) -> None:
+        self._compute = compute
+        self._lock = threading.Lock()
+        self._cached: dict[int, tuple[float, T]] = {}  # per store context (a process may serve several)
+
+    def get(self, ctx: StoreContext) -> T:
+        max_age_s = ctx.settings.console_aggregates_s
+        with self._lock:  # held while computing: a burst of views computes once
+            cached = self._cached.get(id(ctx))
+            if cached is not None and time.monotonic() - cached[0] < max_age_s:
+                return cached[1]
+            value = self._compute(ctx)
+            self._cached[id(ctx)] = (time.monotonic(), value)
+            return value
+
 
 def page_limit(limit: str | None, bound: int) -> int:
     """The ``limit`` query value: 1..``bound`` (default ``PAGE_ROWS``, never more than ``bound``)."""
@@ -79,10 +111,15 @@ class Overview:
     publishes: list[tuple[str, dict[str, int]]]
     #: Unhealthy live records per health state (a link each).
     unhealthy_states: list[tuple[str, int]]
+    computed_at: dt.datetime
 
 
 def overview(ctx: StoreContext, claims: Claims) -> Overview:
     is_admin(claims).enforce()
+    return _overview.get(ctx)
+
+
+def _overview_facts(ctx: StoreContext) -> Overview:
     now = utcnow()
     with ctx.db.session() as session:
         stats = admin.stats(session)
@@ -99,7 +136,11 @@ def overview(ctx: StoreContext, claims: Claims) -> Overview:
         by_axis={axis: sorted(counts.items(), key=lambda item: (-item[1], item[0])) for axis, counts in by_axis.items()},
         publishes=publishes,
         unhealthy_states=sorted(states.items()),
+        computed_at=now,
     )
+
+
+_overview = Aggregates(_overview_facts)
 
 
 #: Outcomes the overview names in their own column (the rest are summed as "refused").
@@ -235,6 +276,8 @@ class StorageView:
     storage: StorageBytes
     growth: list[blobs.DayGrowth]
     growth_chart: Markup
+    #: When ``storage`` and ``growth`` were computed (``Aggregates``); the rest is read live.
+    computed_at: dt.datetime
     open_uploads: int
     leases: list[leases.LeaseInfo]
     now: dt.datetime
@@ -242,6 +285,14 @@ class StorageView:
 
 def storage(ctx: StoreContext, claims: Claims) -> StorageView:
     is_admin(claims).enforce()
+    stored, growth, chart, computed_at = _storage_sums.get(ctx)
+    return StorageView(
+        storage=stored, growth=growth, growth_chart=chart, computed_at=computed_at,
+        open_uploads=blobs.open_session_count(ctx), leases=leases.list_leases(ctx.db), now=utcnow(),
+    )
+
+
+def _storage_facts(ctx: StoreContext) -> tuple[StorageBytes, list[blobs.DayGrowth], Markup, dt.datetime]:
     now = utcnow()
     first_day = (now - dt.timedelta(days=GROWTH_DAYS - 1)).date()
     with ctx.db.session() as session:
@@ -249,11 +300,11 @@ def storage(ctx: StoreContext, claims: Claims) -> StorageView:
         growth = blobs.growth_per_day(session, dt.datetime.combine(first_day, dt.time(), dt.UTC))
     by_day = {day.day: day.bytes for day in growth}
     every_day = [first_day + dt.timedelta(days=n) for n in range(GROWTH_DAYS)]  # a day with nothing is a gap
-    return StorageView(
-        storage=stored, growth=growth,
-        growth_chart=charts.growth_chart([(day.isoformat(), by_day.get(day, 0)) for day in every_day]),
-        open_uploads=blobs.open_session_count(ctx), leases=leases.list_leases(ctx.db), now=now,
-    )
+    chart = charts.growth_chart([(day.isoformat(), by_day.get(day, 0)) for day in every_day])
+    return stored, growth, chart, now
+
+
+_storage_sums = Aggregates(_storage_facts)
 
 
 # -- the audit of console reads ------------------------------------------------------------
