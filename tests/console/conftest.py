@@ -65,12 +65,12 @@ class Registry:
     private: Publication
     #: The hostile-named publisher's token, and what a further record of the family is made from.
     hostile_token: str
-    make: Callable[[str], Publication]
+    make: Callable[..., Publication]
 
-    def publish_another(self, store) -> Publication:
+    def publish_another(self, store, **make) -> Publication:
         """One more record in ``repo`` by the hostile-named publisher, of another family (for a test that
         changes it: the family's counts stay what other tests expect)."""
-        pub = self.make(f"{self.family}-more")
+        pub = self.make(f"{self.family}-more", **make)
         with store.client(self.hostile_token) as client:
             assert publish(client, *self.repo.split("/"), pub).status_code == 201
         return pub
@@ -86,8 +86,10 @@ def registry(store, pt2_archive) -> Registry:
     publisher = f"pub-{uuid.uuid4().hex[:6]}"
     plain = store.mint(publisher, f"acme/{name}:read,write")
     hostile = store.mint(HOSTILE, f"acme/{name}:read,write", f"acme/{private_name}:read,write,admin")
-    def make(family: str = family) -> Publication:
-        return publication(pt2_archive, report, components=components, envelope=unique_envelope(), family=family)
+    def make(family: str = family, *, own_component: bool = False) -> Publication:
+        """``own_component``: a component no other record binds (its header's metadata makes its bytes unique)."""
+        own = {"consts": safetensors_bytes(CONSTANTS_A, {"nonce": uuid.uuid4().hex})} if own_component else components
+        return publication(pt2_archive, report, components=own, envelope=unique_envelope(), family=family)
 
     pubs = [make() for _ in range(3)]
     with store.client(plain) as client:

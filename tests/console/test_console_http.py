@@ -13,8 +13,10 @@ import httpx
 import pytest
 
 from cgstore.audit.models import AuditEvent
+from cgstore.blobs.models import BLOB_MISSING, BLOB_OK
 from cgstore.console import charts
-from cgstore.console.router import CSP, COOKIE
+from cgstore.console.router import COOKIE, CSP
+from cgstore.operations.health import set_blob_health
 from tests.audit.conftest import rows
 from tests.console.conftest import HOSTILE, HOSTILE_REASON, h1, next_link, sign_in
 
@@ -196,6 +198,24 @@ def test_the_overview_counts_and_links(store, console, registry):
     for heading in ("Live records", "Bytes", "Publishes", "Unhealthy records", "Recent denials"):
         assert f"<h2>{heading}</h2>" in page.text
     assert "last 24 h" in page.text and "last 7 d" in page.text
+
+
+def test_unhealthy_records_are_counted_and_linked(store, console, registry):
+    pub = registry.publish_another(store, own_component=True)
+    with store.context.db.session() as session:  # what the scrub does when a component's bytes are gone
+        assert set_blob_health(session, pub.components["consts"].digest, BLOB_MISSING, actor="test") == 1
+    try:
+        overview = console.get("/console").text
+        section = overview.split("<h2>Unhealthy records</h2>")[1].split("<h2>")[0]
+        assert re.search(r'<a href="/console/records\?health=blob_missing">\d+ blob_missing</a>', section)
+        assert pub.key in section
+        listed = console.get("/console/records", params={"health": "blob_missing", "family": f"{registry.family}-more"})
+        assert pub.key in listed.text and 'class="health bad">blob_missing<' in listed.text
+        record = console.get(_record_path(registry.repo, pub.key)).text
+        assert "blob.damaged" in record  # the health change, in the record's history
+    finally:
+        with store.context.db.session() as session:
+            set_blob_health(session, pub.components["consts"].digest, BLOB_OK, actor="test")
 
 
 def test_the_records_page_lists_filters_and_badges_private_records(store, console, registry):

@@ -105,6 +105,15 @@ def storage_bytes(session: Session) -> StorageBytes:
     )
 
 
+def health_counts(session: Session) -> dict[str, int]:
+    """Live records per unhealthy state (few rows: the unhealthy records' partial index finds them)."""
+    rows = session.execute(
+        select(CompiledGraph.health, func.count()).where(_LIVE, CompiledGraph.health != HEALTH_OK)
+        .group_by(CompiledGraph.health)
+    )
+    return {health: n for health, n in rows}
+
+
 def _recent(session: Session, condition) -> list:
     events = session.scalars(select(AuditEvent).where(condition).order_by(AuditEvent.id.desc()).limit(STATS_RECENT))
     return [to_entry(event) for event in events]

@@ -109,7 +109,7 @@ class Overview:
     by_axis: dict[str, list[tuple[str, int]]]
     #: Publishes per window: ``[(window, {"ok": n, "KEY_CONFLICT": n, other outcomes...}), ...]``.
     publishes: list[tuple[str, dict[str, int]]]
-    #: Unhealthy live records per health state (a link each).
+    #: Live records per unhealthy state (a link each).
     unhealthy_states: list[tuple[str, int]]
     computed_at: dt.datetime
 
@@ -123,19 +123,17 @@ def _overview_facts(ctx: StoreContext) -> Overview:
     now = utcnow()
     with ctx.db.session() as session:
         stats = admin.stats(session)
+        unhealthy = admin.health_counts(session)
         publishes = [(name, audit.outcome_counts(session, ACTION_PUBLISH, now - span)) for name, span in WINDOWS]
     by_axis: dict[str, dict[str, int]] = {"family": defaultdict(int), "sm": defaultdict(int), "lane": defaultdict(int)}
     for count in stats.records:
         for axis in by_axis:
             by_axis[axis][getattr(count, axis)] += count.records
-    states: dict[str, int] = defaultdict(int)
-    for summary in stats.unhealthy:
-        states[summary.health] += 1
     return Overview(
         stats=stats,
         by_axis={axis: sorted(counts.items(), key=lambda item: (-item[1], item[0])) for axis, counts in by_axis.items()},
         publishes=publishes,
-        unhealthy_states=sorted(states.items()),
+        unhealthy_states=sorted(unhealthy.items()),
         computed_at=now,
     )
 
