@@ -197,7 +197,9 @@ def test_the_overview_counts_and_links(store, console, registry):
     assert 'href="/console/records?sm=' in page.text and 'href="/console/records?lane=' in page.text
     for heading in ("Live records", "Bytes", "Publishes", "Unhealthy records", "Recent denials"):
         assert f"<h2>{heading}</h2>" in page.text
-    assert "last 24 h" in page.text and "last 7 d" in page.text
+    published = re.findall(r'<th>last (24 h|7 d)</th>\s*<td class="num"><a href="[^"]*outcome=ok">(\d+)</a>', page.text)
+    assert [window for window, _ in published] == ["24 h", "7 d"]
+    assert 4 <= int(published[0][1]) <= int(published[1][1])  # this module's four publishes at least
 
 
 def test_unhealthy_records_are_counted_and_linked(store, console, registry):

@@ -95,11 +95,15 @@ def _plain(value: Any, indent: str = "") -> str:
 
 
 def _bytes(size: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+    """A size for people (the exact count is the cell's title)."""
+    if size < 1024:
+        return f"{size} bytes"
+    value, unit = size / 1024, "KiB"
+    for larger in ("MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{value:.1f} {unit}"
 
 
 _TEMPLATES.filters.update(pretty=_pretty, plain=_plain, bytes=_bytes)

@@ -103,12 +103,26 @@ def page_limit(limit: str | None, bound: int) -> int:
 
 
 @dataclass(frozen=True)
+class Publishes:
+    """Publish attempts in one window of the audit log, by outcome."""
+
+    window: str
+    published: int  # ``ok``: created, or the same bytes again
+    conflicts: int  # ``KEY_CONFLICT``: a non-reproducible mint
+    refused: int  # every other refusal (admission, access), aggregates counted whole
+
+    @classmethod
+    def of(cls, window: str, outcomes: dict[str, int]) -> Publishes:
+        published, conflicts = outcomes.get("ok", 0), outcomes.get(KeyConflict.code, 0)
+        return cls(window, published, conflicts, sum(outcomes.values()) - published - conflicts)
+
+
+@dataclass(frozen=True)
 class Overview:
     stats: AdminStats
     #: Live records per family, per sm and per lane: ``{"family": [(value, records), ...], ...}``, most first.
     by_axis: dict[str, list[tuple[str, int]]]
-    #: Publishes per window: ``[(window, {"ok": n, "KEY_CONFLICT": n, other outcomes...}), ...]``.
-    publishes: list[tuple[str, dict[str, int]]]
+    publishes: list[Publishes]
     #: Live records per unhealthy state (a link each).
     unhealthy_states: list[tuple[str, int]]
     computed_at: dt.datetime
@@ -124,7 +138,8 @@ def _overview_facts(ctx: StoreContext) -> Overview:
     with ctx.db.session() as session:
         stats = admin.stats(session)
         unhealthy = admin.health_counts(session)
-        publishes = [(name, audit.outcome_counts(session, ACTION_PUBLISH, now - span)) for name, span in WINDOWS]
+        publishes = [Publishes.of(name, audit.outcome_counts(session, ACTION_PUBLISH, now - span))
+                     for name, span in WINDOWS]
     by_axis: dict[str, dict[str, int]] = {"family": defaultdict(int), "sm": defaultdict(int), "lane": defaultdict(int)}
     for count in stats.records:
         for axis in by_axis:
@@ -139,10 +154,6 @@ def _overview_facts(ctx: StoreContext) -> Overview:
 
 
 _overview = Aggregates(_overview_facts)
-
-
-#: Outcomes the overview names in their own column (the rest are summed as "refused").
-PUBLISH_OK, PUBLISH_CONFLICT = "ok", KeyConflict.code
 
 
 # -- records -----------------------------------------------------------------------------
