@@ -24,6 +24,8 @@ from cgstore.core.cursors import CursorSeal
 from cgstore.core.db import Database
 from cgstore.compiled_graphs.router import repo_router as compiled_graphs_router
 from cgstore.compiled_graphs.router import resolve_router as compiled_graphs_resolve_router
+from cgstore.console.router import ConsoleHeaders, error_page
+from cgstore.console.router import router as console_router
 from cgstore.core.http import ERROR_RESPONSES, install_error_handlers, install_request_schemas
 from cgstore.core.inputs import refuse_unstorable_parameters
 from cgstore.core.metrics import Metrics, MetricsMiddleware
@@ -167,12 +169,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         dependencies=[Depends(refuse_unstorable_parameters)],
     )
     app.state.context = ctx
-    install_error_handlers(app, on_denial=audit_denial)
+    install_error_handlers(app, on_denial=audit_denial, as_page=error_page)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
+    # Outermost: the console's security headers reach every answer under /console, a last-resort 500 included.
+    app.add_middleware(ConsoleHeaders)
     # Each router carries its prefix: with FastAPI 0.165 a prefix given here would
     # leave route.path relative, and metrics and the audit label requests by it.
     for router in (health_router, tokens_router, owners_router, repos_router, blobs_router, audit_router,
-                   compiled_graphs_router, compiled_graphs_resolve_router, admin_router):
+                   compiled_graphs_router, compiled_graphs_resolve_router, admin_router, console_router):
         app.include_router(router)
     install_request_schemas(app)
     install_links(app)

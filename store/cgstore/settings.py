@@ -141,6 +141,11 @@ class Settings(BaseSettings):
         description="comma-separated families that get their own `family` label in "
         "`cgstore_resolve_answers_total`; every other family is counted as `other`",
     )
+    console_aggregates_s: float = Field(
+        30.0, ge=0, le=3600,
+        description="the admin console's overview and storage figures (whole-registry counts and sums) are "
+        "computed at most once per this many seconds per process and shown with their time; 0: on every view",
+    )
     log_level: str = Field("info", description="log level")
 
     @cached_property

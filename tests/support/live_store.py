@@ -96,6 +96,8 @@ def settings_for(
     overrides.setdefault("reaper_interval_s", 3600)
     # /metrics is closed without a token; every test store has one so tests can scrape it.
     overrides.setdefault("metrics_token", secrets.token_urlsafe(24))
+    # The console's overview figures live on every view: tests publish and look at once.
+    overrides.setdefault("console_aggregates_s", 0)
     if configuration == "embedded":
         return Settings(home=home, **overrides)
     use_test_aws_credentials()

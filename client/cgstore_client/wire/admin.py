@@ -63,6 +63,8 @@ class RecordSummary(_Wire):
     created_at: dt.datetime
     #: Workers' reports that this graph is not their live model (``…/{key}:report``).
     drift_reports: int = 0
+    #: Published in a private cache (a ``principal`` repo): the JSON API shows it to its publisher only.
+    private: bool = False
 
 
 class AdminStats(_Wire):

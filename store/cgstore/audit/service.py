@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry, AuditPage
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from cgstore.access import is_admin
@@ -239,6 +239,26 @@ def list_events(
     query = query.order_by(AuditEvent.id.desc() if newest_first else AuditEvent.id).limit(limit)
     events = session.scalars(query).all()
     return events, (events[-1].id if len(events) == limit else None)
+
+
+def outcome_counts(session: Session, action: str, since: dt.datetime) -> dict[str, int]:
+    """How many ``action`` entries since ``since``, per outcome (an aggregate row counts ``count`` times)."""
+    rows = session.execute(
+        select(AuditEvent.outcome, func.sum(AuditEvent.count))
+        .where(AuditEvent.action == action, AuditEvent.at >= since)
+        .group_by(AuditEvent.outcome)
+    )
+    return {outcome: int(n) for outcome, n in rows}
+
+
+def history(session: Session, targets: Sequence[str], limit: int = DEFAULT_PAGE) -> list[AuditEntry]:
+    """The newest entries about any of ``targets`` (compared in the stored form), newest first."""
+    cleaned = sorted({clean(target, TARGET_LEN) for target in targets})
+    events = session.scalars(
+        select(AuditEvent).where(AuditEvent.target.in_(cleaned)).order_by(AuditEvent.id.desc())
+        .limit(max(1, min(limit, MAX_AUDIT_PAGE)))
+    )
+    return [to_entry(event) for event in events]
 
 
 def parse_cursor(cursor: str | None) -> int | None:

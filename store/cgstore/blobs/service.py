@@ -533,3 +533,29 @@ def drop_staging(ctx: StoreContext, session_ids: list[str], heartbeat: Callable[
 def open_session_count(ctx: StoreContext) -> int:
     with ctx.db.session() as session:
         return session.scalar(select(func.count()).select_from(UploadSession).where(UploadSession.expires_at > utcnow()))
+
+
+@dataclass(frozen=True)
+class DayGrowth:
+    """Blobs first stored on one UTC day, and their bytes."""
+
+    day: dt.date
+    blobs: int
+    bytes: int
+
+
+def growth_per_day(session: Session, since: dt.datetime) -> list[DayGrowth]:
+    """Blobs and bytes stored per UTC day since ``since``, oldest day first (grouped by the database)."""
+    if session.get_bind().dialect.name == "postgresql":
+        day = func.date(func.timezone("UTC", Blob.created_at))
+    else:  # SQLite keeps UTC text; date() cuts it to the day
+        day = func.date(Blob.created_at)
+    rows = session.execute(
+        select(day, func.count(), func.coalesce(func.sum(Blob.size), 0))
+        .where(Blob.created_at >= since).group_by(day).order_by(day)
+    )
+    return [DayGrowth(_as_date(when), int(n), int(size)) for when, n, size in rows]
+
+
+def _as_date(value: dt.date | str) -> dt.date:
+    return value if isinstance(value, dt.date) else dt.date.fromisoformat(value)

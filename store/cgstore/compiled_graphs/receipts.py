@@ -31,9 +31,19 @@ worker proves offline that a record is the platform's, not a tenant's.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import jwt
-from cgstore_client.receipts import RECEIPT_ALGORITHM, RECEIPT_AUDIENCE, RECEIPT_PLATFORM, RECEIPT_TYP
+from cgstore_client.receipts import (
+    RECEIPT_ALGORITHM,
+    RECEIPT_AUDIENCE,
+    RECEIPT_PLATFORM,
+    RECEIPT_TYP,
+    ReceiptInvalid,
+    verify_receipt,
+)
+from cgstore_client.wire.records import Record
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -118,3 +128,36 @@ def _resign(session: Session, keys: KeyRing, *, issuer: str, retired_kid: str) -
             _sign(signer, issuer=issuer, repo=f"{owner}/{name}", row=row, components=components.get(row.id, []))
         count += len(rows)
         after = rows[-1][0].id
+
+
+@dataclass(frozen=True)
+class ReceiptCheck:
+    """A record's receipt as a reader sees it: its claims (decoded, whether or not it verifies), and the verdict."""
+
+    kid: str | None
+    claims: dict[str, Any] | None
+    verifies: bool
+    reason: str | None
+
+
+def check(record: Record, jwks: list[dict[str, str]], *, issuer: str) -> ReceiptCheck:
+    """Does ``record``'s receipt verify against ``jwks`` (the current ``GET /v1/keys``) and vouch for the record?
+
+    Exactly the worker's offline check (``cgstore_client.receipts.verify_receipt``).
+    """
+    if record.receipt is None:
+        return ReceiptCheck(None, None, False, "the record has no receipt")
+    try:
+        kid = jwt.get_unverified_header(record.receipt).get("kid")
+        claims = jwt.decode(record.receipt, options={"verify_signature": False})
+    except jwt.PyJWTError as err:
+        return ReceiptCheck(None, None, False, f"not a JWS: {err}")
+    try:
+        verify_receipt(
+            record.receipt, {"keys": jwks}, expect_key=record.key, expect_artifact=record.manifest.artifact.digest,
+            expect_components={c.name: c.digest for c in record.manifest.components},
+            expect_issuer=issuer, expect_repo=record.repo,
+        )
+    except ReceiptInvalid as err:
+        return ReceiptCheck(kid if isinstance(kid, str) else None, claims, False, str(err))
+    return ReceiptCheck(kid, claims, True, None)

@@ -28,7 +28,7 @@ from cgstore_client.errors import CgstoreError
 from cgstore_client.keys import strict_json_loads
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -52,6 +52,8 @@ Model = TypeVar("Model", bound=BaseModel)
 T = TypeVar("T")
 #: Called with every refusal before it is answered (the app registers the audit here).
 DenialHook = Callable[[Request, StoreError], Awaitable[None]]
+#: A refusal as a page, for a request a person's browser made (the console's); None: the JSON body.
+PageHook = Callable[[Request, StoreError], Response | None]
 
 _HTTP_CODES = {404: "NAME_UNKNOWN", 405: "UNSUPPORTED", 413: "TOO_LARGE"}
 
@@ -117,8 +119,11 @@ def _is_denial(err: StoreError) -> bool:
     return err.status in (401, 403, 404) or err.hides_denial
 
 
-def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) -> None:
+def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None, as_page: PageHook | None = None) -> None:
     """Map every error to the protocol's body; refusals also go to ``on_denial`` (the audit).
+
+    ``as_page`` may answer a refusal with a page instead (the console's pages, refused
+    before their route ran: by the app-wide input rule).
 
     Call before adding the metrics middleware, so that it counts the last resort's 500s.
     """
@@ -127,7 +132,7 @@ def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) ->
     app.add_middleware(LastResort)
 
     @app.exception_handler(StoreError)
-    async def store_error(request: Request, err: StoreError) -> JSONResponse:
+    async def store_error(request: Request, err: StoreError) -> Response:
         if err.status in (401, 403):
             request.app.state.context.metrics.denials.labels(err.code).inc()
         if on_denial is not None and _is_denial(err):
@@ -135,7 +140,8 @@ def install_error_handlers(app: FastAPI, on_denial: DenialHook | None = None) ->
         if isinstance(err, Unavailable):
             # The cause (paths, endpoints) is for the operator's log, never the client's body.
             log.warning("unavailable: %s (%s)", err.message, err.__cause__)
-        return error_response(err, request)
+        page = as_page(request, err) if as_page is not None else None
+        return page if page is not None else error_response(err, request)
 
     @app.exception_handler(CgstoreError)
     async def contract_refusal(request: Request, err: CgstoreError) -> JSONResponse:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from cgstore.core.db import Database, insert_ignoring_conflicts, utcnow
 from cgstore.operations.models import Lease
@@ -114,3 +114,27 @@ def release(db: Database, holder: str, name: str | None = None) -> int:
         if name is not None:
             statement = statement.where(Lease.name == name)
         return session.execute(statement.values(expires_at=utcnow())).rowcount
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A lease row as the console shows it: who runs the task, since when, until when, how far it got."""
+
+    name: str
+    holder: str
+    acquired_at: dt.datetime
+    expires_at: dt.datetime
+    generation: int
+    cursor: str | None
+
+    def held(self, now: dt.datetime) -> bool:
+        return self.expires_at > now
+
+
+def list_leases(db: Database) -> list[LeaseInfo]:
+    """Every lease row (one per background task that ever ran), by name."""
+    with db.session() as session:
+        return [
+            LeaseInfo(row.name, row.holder, row.acquired_at, row.expires_at, row.generation, row.cursor)
+            for row in session.scalars(select(Lease).order_by(Lease.name))
+        ]

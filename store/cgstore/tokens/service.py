@@ -438,6 +438,34 @@ class TokenService:
             )
 
 
+    def chains(self, jtis: Iterable[str]) -> dict[str, list[str]]:
+        """Each token's ancestors, parent first, as recorded (a listing shows them; never a token value).
+
+        Read one generation at a time, each a single query, at most ``MAX_CHAIN_DEPTH`` of them.
+        """
+        jtis = list(jtis)
+        parents: dict[str, str | None] = {}
+        frontier = set(jtis)
+        with self._db.session() as session:
+            for _ in range(MAX_CHAIN_DEPTH):
+                frontier -= parents.keys()
+                if not frontier:
+                    break
+                rows = session.execute(
+                    select(TokenRecord.jti, TokenRecord.parent_jti).where(TokenRecord.jti.in_(frontier))
+                ).all()
+                parents.update({jti: None for jti in frontier})  # an unrecorded jti ends its chain
+                parents.update({jti: parent for jti, parent in rows})
+                frontier = {parent for _, parent in rows if parent}
+        chains: dict[str, list[str]] = {}
+        for jti in jtis:
+            chain, node = [], parents.get(jti)
+            while node is not None and node not in chain and len(chain) < MAX_CHAIN_DEPTH:
+                chain.append(node)
+                node = parents.get(node)
+            chains[jti] = chain
+        return chains
+
 # -- helpers ---------------------------------------------------------------------------
 
 

@@ -1,0 +1,327 @@
+"""The console's pages as view-models, built only from the feature services the JSON routes and the CLI use.
+
+No query of its own: records come from ``admin.service`` (the host's ``cgstore
+ls/show/stats``), the log from ``audit.service``, tokens and keys from the
+token service, receipts from ``compiled_graphs.receipts``, bytes from
+``blobs.service``, leases from ``operations.leases``. Every function takes the
+verified claims and enforces the admin rule first (``access.is_admin``), as
+``GET /v1/admin/stats`` and ``GET /v1/audit`` do.
+
+Private caches: the console shows what the host's admin views show, and those
+read every live record, private caches' included (the JSON API hides them from
+every grant, admin too). Each such record carries ``private`` and the pages
+badge it. An admin token is the whole store (it may mint any token, yank any
+record): hiding the records from the store's own view would protect nothing.
+
+Query text arrives as typed (``None`` for an empty form field); anything this
+module cannot use is ``BadRequest``, which the router shows on the page (400).
+
+The overview's and the storage page's figures are whole-registry aggregates
+(GROUP BY and SUM over every live record, blob and week of audit entries): at
+100 k records they take a few hundred milliseconds however the database runs
+them. So ``Aggregates`` computes each at most once per
+``CGSTORE_CONSOLE_AGGREGATES_S`` per process (one computation at a time; the
+others wait for it) and the page says when they were computed. Every other
+page reads live, bounded by its page size.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from cgstore_client.wire.admin import AdminStats, RecordSummary, StorageBytes
+from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
+from cgstore_client.wire.records import MAX_LIST_LIMIT, Record
+from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
+from markupsafe import Markup
+
+from cgstore.access import is_admin
+from cgstore.admin import service as admin
+from cgstore.audit import service as audit
+from cgstore.blobs import service as blobs
+from cgstore.compiled_graphs import receipts
+from cgstore.compiled_graphs.service import ACTION_PUBLISH
+from cgstore.console import charts
+from cgstore.context import StoreContext
+from cgstore.core.db import utcnow
+from cgstore.core.errors import BadRequest, KeyConflict, NameUnknown
+from cgstore.core.names import validate_owner, validate_repo
+from cgstore.operations import leases
+from cgstore.tokens.claims import Claims
+from cgstore.tokens.keys import KeyInfo
+from cgstore.tokens.service import TokenInfo
+
+#: Rows per page of the records, audit and tokens pages (each at most its JSON listing's bound).
+PAGE_ROWS = 50
+#: Entries of a record's history.
+HISTORY_ROWS = 50
+#: Days of the storage page's growth chart.
+GROWTH_DAYS = 30
+#: The overview's windows over the audit log.
+WINDOWS = (("24 h", dt.timedelta(hours=24)), ("7 d", dt.timedelta(days=7)))
+#: What a records page cursor is sealed to (``core.cursors``): it opens on no other listing.
+_RECORDS_SCOPE = "console-records"
+
+T = TypeVar("T")
+
+
+class Aggregates(Generic[T]):
+    """One set of figures, computed at most once per ``max_age_s`` (0: every time), one computation at a time."""
+
+    def __init__(self, compute: Callable[[StoreContext], T]) -> None:
+        self._compute = compute
+        self._lock = threading.Lock()
+        self._cached: dict[int, tuple[float, T]] = {}  # per store context (a process may serve several)
+
+    def get(self, ctx: StoreContext) -> T:
+        max_age_s = ctx.settings.console_aggregates_s
+        with self._lock:  # held while computing: a burst of views computes once
+            cached = self._cached.get(id(ctx))
+            if cached is not None and time.monotonic() - cached[0] < max_age_s:
+                return cached[1]
+            value = self._compute(ctx)
+            self._cached[id(ctx)] = (time.monotonic(), value)
+            return value
+
+
+def page_limit(limit: str | None, bound: int) -> int:
+    """The ``limit`` query value: 1..``bound`` (default ``PAGE_ROWS``, never more than ``bound``)."""
+    if limit is None:
+        return min(PAGE_ROWS, bound)
+    if not limit.isdigit() or not 1 <= int(limit) <= bound:
+        raise BadRequest(f"limit must be a whole number from 1 to {bound}", limit=limit[:16])
+    return int(limit)
+
+
+# -- overview ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Publishes:
+    """Publish attempts in one window of the audit log, by outcome."""
+
+    window: str
+    published: int  # ``ok``: created, or the same bytes again
+    conflicts: int  # ``KEY_CONFLICT``: a non-reproducible mint
+    refused: int  # every other refusal (admission, access), aggregates counted whole
+
+    @classmethod
+    def of(cls, window: str, outcomes: dict[str, int]) -> Publishes:
+        published, conflicts = outcomes.get("ok", 0), outcomes.get(KeyConflict.code, 0)
+        return cls(window, published, conflicts, sum(outcomes.values()) - published - conflicts)
+
+
+@dataclass(frozen=True)
+class Overview:
+    stats: AdminStats
+    #: Live records per family, per sm and per lane: ``{"family": [(value, records), ...], ...}``, most first.
+    by_axis: dict[str, list[tuple[str, int]]]
+    publishes: list[Publishes]
+    #: Live records per unhealthy state (a link each).
+    unhealthy_states: list[tuple[str, int]]
+    computed_at: dt.datetime
+
+
+def overview(ctx: StoreContext, claims: Claims) -> Overview:
+    is_admin(claims).enforce()
+    return _overview.get(ctx)
+
+
+def _overview_facts(ctx: StoreContext) -> Overview:
+    now = utcnow()
+    with ctx.db.session() as session:
+        stats = admin.stats(session)
+        unhealthy = admin.health_counts(session)
+        publishes = [Publishes.of(name, audit.outcome_counts(session, ACTION_PUBLISH, now - span))
+                     for name, span in WINDOWS]
+    by_axis: dict[str, dict[str, int]] = {"family": defaultdict(int), "sm": defaultdict(int), "lane": defaultdict(int)}
+    for count in stats.records:
+        for axis in by_axis:
+            by_axis[axis][getattr(count, axis)] += count.records
+    return Overview(
+        stats=stats,
+        by_axis={axis: sorted(counts.items(), key=lambda item: (-item[1], item[0])) for axis, counts in by_axis.items()},
+        publishes=publishes,
+        unhealthy_states=sorted(unhealthy.items()),
+        computed_at=now,
+    )
+
+
+_overview = Aggregates(_overview_facts)
+
+
+# -- records -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecordsPage:
+    records: list[RecordSummary]
+    next_cursor: str | None
+
+
+def records(
+    ctx: StoreContext, claims: Claims, where: admin.RecordFilter, cursor: str | None, limit: str | None
+) -> RecordsPage:
+    is_admin(claims).enforce()
+    rows = page_limit(limit, MAX_LIST_LIMIT)
+    if where.repo is not None:
+        owner, slash, name = where.repo.partition("/")
+        if not slash:
+            raise BadRequest("repo is owner/name", repo=where.repo[:141])
+        validate_owner(owner)
+        validate_repo(name)
+    before = ctx.cursors.open(_RECORDS_SCOPE, cursor) if cursor is not None else None
+    with ctx.db.session() as session:
+        page, next_id = admin.records_page(session, where, before=before, limit=rows)
+    return RecordsPage(page, None if next_id is None else ctx.cursors.seal(_RECORDS_SCOPE, next_id))
+
+
+@dataclass(frozen=True)
+class RecordView:
+    record: Record
+    private: bool
+    receipt: receipts.ReceiptCheck
+    fit_chart: Markup | None
+    history: list[AuditEntry]
+    #: The artifact and each component: ``(name, digest, size)``; the sum is ``total_bytes``.
+    blobs: list[tuple[str, str, int]] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, _, size in self.blobs)
+
+
+def record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str) -> list[RecordView]:
+    """The live records of ``key`` in ``owner/repo`` (several only in a private cache); ``NameUnknown`` if none."""
+    is_admin(claims).enforce()
+    validate_owner(owner)
+    validate_repo(repo)
+    with ctx.db.session() as session:
+        found = admin.shown(session, key, repo=f"{owner}/{repo}")
+        if not found:
+            raise NameUnknown("no live record of this key in this repo", key=key[:120])
+        jwks = ctx.tokens.keys.jwks(session)
+        views = []
+        for shown, private in found:
+            files = [("artifact (.pt2)", shown.manifest.artifact.digest, shown.manifest.artifact.size)]
+            files += [(c.name, c.digest, c.size) for c in shown.manifest.components]
+            # Publish, yank and drift reports name the record; health changes name its blobs.
+            targets = [f"{shown.repo}:{shown.key}", *(digest for _, digest, _ in files)]
+            views.append(RecordView(
+                record=shown, private=private,
+                receipt=receipts.check(shown, jwks, issuer=ctx.settings.token_issuer),
+                fit_chart=charts.fit_chart(shown.kernel_lane),
+                history=audit.history(session, targets, HISTORY_ROWS),
+                blobs=files,
+            ))
+    return views
+
+
+# -- audit -------------------------------------------------------------------------------
+
+
+def parse_moment(value: str | None, name: str) -> dt.datetime | None:
+    """An ISO 8601 time from a form (``datetime-local`` sends no seconds and no offset: read as UTC)."""
+    if value is None:
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise BadRequest(f"{name} is not an ISO 8601 time (e.g. 2026-01-31T12:00)", **{name: value[:64]}) from None
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=dt.UTC)
+    try:
+        return moment.astimezone(dt.UTC)
+    except OverflowError:
+        raise BadRequest(f"{name} is outside the representable range of times", **{name: value[:64]}) from None
+
+
+@dataclass(frozen=True)
+class AuditView:
+    entries: list[AuditEntry]
+    next_cursor: str | None
+
+
+def audit_log(
+    ctx: StoreContext, claims: Claims, where: audit.AuditFilter, cursor: str | None, limit: str | None
+) -> AuditView:
+    """``GET /v1/audit?order=desc``: newest first, keyset-paged by id."""
+    page = audit.read_page(ctx.db, claims, where, cursor, page_limit(limit, MAX_AUDIT_PAGE), newest_first=True)
+    return AuditView(page.entries, page.next_cursor)
+
+
+# -- tokens ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokensView:
+    tokens: list[TokenInfo]
+    #: Each listed token's ancestors, parent first.
+    chains: dict[str, list[str]]
+    next_cursor: str | None
+    keys: list[KeyInfo]
+
+
+def tokens(ctx: StoreContext, claims: Claims, sub: str | None, cursor: str | None, limit: str | None) -> TokensView:
+    """``GET /v1/tokens`` (oldest first, never a token value) and ``cgstore keys list``."""
+    is_admin(claims).enforce()
+    page = ctx.tokens.list_tokens(sub, cursor=cursor, limit=page_limit(limit, MAX_TOKEN_PAGE))
+    with ctx.db.session() as session:
+        keys = ctx.tokens.keys.list_keys(session)
+    return TokensView(page.tokens, ctx.tokens.chains(t.jti for t in page.tokens), page.next_cursor, keys)
+
+
+# -- storage -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StorageView:
+    storage: StorageBytes
+    growth: list[blobs.DayGrowth]
+    growth_chart: Markup
+    #: When ``storage`` and ``growth`` were computed (``Aggregates``); the rest is read live.
+    computed_at: dt.datetime
+    open_uploads: int
+    leases: list[leases.LeaseInfo]
+    now: dt.datetime
+
+
+def storage(ctx: StoreContext, claims: Claims) -> StorageView:
+    is_admin(claims).enforce()
+    stored, growth, chart, computed_at = _storage_sums.get(ctx)
+    return StorageView(
+        storage=stored, growth=growth, growth_chart=chart, computed_at=computed_at,
+        open_uploads=blobs.open_session_count(ctx), leases=leases.list_leases(ctx.db), now=utcnow(),
+    )
+
+
+def _storage_facts(ctx: StoreContext) -> tuple[StorageBytes, list[blobs.DayGrowth], Markup, dt.datetime]:
+    now = utcnow()
+    first_day = (now - dt.timedelta(days=GROWTH_DAYS - 1)).date()
+    with ctx.db.session() as session:
+        stored = admin.storage_bytes(session)
+        growth = blobs.growth_per_day(session, dt.datetime.combine(first_day, dt.time(), dt.UTC))
+    by_day = {day.day: day.bytes for day in growth}
+    every_day = [first_day + dt.timedelta(days=n) for n in range(GROWTH_DAYS)]  # a day with nothing is a gap
+    chart = charts.growth_chart([(day.isoformat(), by_day.get(day, 0)) for day in every_day])
+    return stored, growth, chart, now
+
+
+_storage_sums = Aggregates(_storage_facts)
+
+
+# -- the audit of console reads ------------------------------------------------------------
+
+
+def record_read(ctx: StoreContext, claims: Claims, *, action: str, target: str, source: str | None,
+                detail: dict[str, Any] | None = None) -> None:
+    """One audit entry for a console page an admin read (or a sign-in), in its own transaction."""
+    with ctx.db.session() as session:
+        audit.record(session, actor=claims.sub, jti=claims.jti, action=action, target=target, source=source,
+                     detail=detail)

@@ -1,0 +1,103 @@
+"""Fixtures of the console tests: a signed-in browser-like client and a registry with real records in it."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.compiled_graphs.support import CONSTANTS_A, Publication, publication, publish, safetensors_bytes, unique_envelope
+from tests.support.archives import archive_report
+from tests.support.live_store import unique_repo
+
+#: A publisher name no page may interpret (a principal's name is any printable text).
+HOSTILE = "<script>alert(1)</script>\"'&"
+#: A yank reason: markup, quotes, and a non-ASCII letter the audit stores escaped (``\u043e``).
+HOSTILE_REASON = "<script>alert(2)</script> \"q\" 'q' r\u043eot <img src=x onerror=alert(3)>"
+
+
+@contextlib.contextmanager
+def sign_in(store, token: str) -> Iterator[httpx.Client]:
+    """A client holding the console's cookie for ``token`` (as a browser would after the sign-in form)."""
+    with httpx.Client(base_url=store.base_url, timeout=60, follow_redirects=False) as client:
+        answer = client.post("/console/login", data={"token": token})
+        assert answer.status_code == 303, answer.text
+        yield client
+
+
+def h1(html: str) -> str:
+    found = re.findall(r"<h1>(.*?)</h1>", html, re.S)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def next_link(html: str) -> str | None:
+    found = re.findall(r'<a rel="next" href="([^"]+)">Next</a>', html)
+    return found[0].replace("&amp;", "&") if found else None
+
+
+@pytest.fixture
+def admin(store) -> str:
+    return store.mint(f"console-admin-{uuid.uuid4().hex[:8]}", "*/*:admin")
+
+
+@pytest.fixture
+def console(store, admin):
+    with sign_in(store, admin) as client:
+        yield client
+
+
+@dataclass
+class Registry:
+    """Three records of one fresh family in one fresh repo (the last by a hostile-named publisher), and one
+    record in a private cache."""
+
+    repo: str
+    family: str
+    publications: list[Publication]
+    publisher: str
+    private_repo: str
+    private: Publication
+    #: The hostile-named publisher's token, and what a further record of the family is made from.
+    hostile_token: str
+    make: Callable[..., Publication]
+
+    def publish_another(self, store, **make) -> Publication:
+        """One more record in ``repo`` by the hostile-named publisher, of another family (for a test that
+        changes it: the family's counts stay what other tests expect)."""
+        pub = self.make(f"{self.family}-more", **make)
+        with store.client(self.hostile_token) as client:
+            assert publish(client, *self.repo.split("/"), pub).status_code == 201
+        return pub
+
+
+@pytest.fixture(scope="module")
+def registry(store, pt2_archive) -> Registry:
+    """Shared by a module's tests (publishing is slow): a test that changes a record publishes its own."""
+    report = archive_report(pt2_archive)
+    components = {"consts": safetensors_bytes(CONSTANTS_A)}
+    name, private_name = unique_repo("console"), unique_repo("console-private")
+    family = f"console-{uuid.uuid4().hex[:8]}"
+    publisher = f"pub-{uuid.uuid4().hex[:6]}"
+    plain = store.mint(publisher, f"acme/{name}:read,write")
+    hostile = store.mint(HOSTILE, f"acme/{name}:read,write", f"acme/{private_name}:read,write,admin")
+    def make(family: str = family, *, own_component: bool = False) -> Publication:
+        """``own_component``: a component no other record binds (its header's metadata makes its bytes unique)."""
+        own = {"consts": safetensors_bytes(CONSTANTS_A, {"nonce": uuid.uuid4().hex})} if own_component else components
+        return publication(pt2_archive, report, components=own, envelope=unique_envelope(), family=family)
+
+    pubs = [make() for _ in range(3)]
+    with store.client(plain) as client:
+        for pub in pubs[:2]:
+            assert publish(client, "acme", name, pub).status_code == 201
+    private = make()
+    with store.client(hostile) as client:
+        assert publish(client, "acme", name, pubs[2]).status_code == 201
+        assert client.put(f"/v1/repos/acme/{private_name}", json={"visibility": "principal"}).status_code == 201
+        assert publish(client, "acme", private_name, private).status_code == 201
+    return Registry(f"acme/{name}", family, pubs, publisher, f"acme/{private_name}", private, hostile, make)

@@ -1,0 +1,461 @@
+"""The admin console over HTTP (both configurations): sign-in, refusals, headers, every page with real records,
+filters, keyset paging, escaping, the audit of console reads. The browser tests are test_console_browser.py."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from urllib.parse import quote
+
+import blake3
+import httpx
+import pytest
+
+from cgstore.audit.models import AuditEvent
+from cgstore.blobs.models import BLOB_MISSING, BLOB_OK
+from cgstore.console import charts
+from cgstore.console.router import COOKIE, CSP
+from cgstore.operations.health import set_blob_health
+from tests.audit.conftest import rows
+from tests.console.conftest import HOSTILE, HOSTILE_REASON, h1, next_link, sign_in
+
+PAGES = ("/console", "/console/records", "/console/audit", "/console/tokens", "/console/storage")
+NAV = ("Overview", "Records", "Audit", "Tokens", "Storage")
+
+
+def _cookie_attributes(answer: httpx.Response) -> dict[str, str]:
+    header = answer.headers["set-cookie"]
+    parts = [part.strip() for part in header.split(";")]
+    assert parts[0].startswith(f"{COOKIE}=")
+    return {name.lower(): value for name, _, value in (part.partition("=") for part in parts[1:])}
+
+
+def _assert_secure_headers(answer: httpx.Response) -> None:
+    assert answer.headers["content-security-policy"] == CSP
+    assert answer.headers["x-frame-options"] == "DENY"
+    assert answer.headers["cache-control"] == "no-store"
+    assert answer.headers["x-content-type-options"] == "nosniff"
+    assert answer.headers["referrer-policy"] == "no-referrer"
+
+
+def _record_path(repo: str, key: str) -> str:
+    return f"/console/records/{repo}/{key}"
+
+
+# -- sign-in and sign-out ---------------------------------------------------------------------------
+
+
+def test_the_sign_in_form(store):
+    with store.client() as client:
+        page = client.get("/console/login")
+    assert page.status_code == 200 and h1(page.text) == "Admin console"
+    assert '<form method="post" action="/console/login"' in page.text
+    assert re.search(r'<input name="token" type="password"', page.text)
+    assert ">Sign in</button>" in page.text
+    assert "Sign out" not in page.text  # no navigation before signing in
+
+
+def test_an_admin_signs_in_with_a_strict_cookie_that_expires_with_the_token(store):
+    token = store.mint(f"console-admin-{uuid.uuid4().hex[:6]}", "*/*:admin", ttl_s=1800)
+    with httpx.Client(base_url=store.base_url, follow_redirects=False) as client:
+        answer = client.post("/console/login", data={"token": token})
+        assert answer.status_code == 303 and answer.headers["location"] == "/console"
+        attributes = _cookie_attributes(answer)
+        assert attributes["path"] == "/console" and attributes["samesite"].lower() == "strict"
+        assert "httponly" in attributes and "secure" not in attributes  # plain http here
+        assert 1790 <= int(attributes["max-age"]) <= 1800
+        overview = client.get("/console")
+    assert overview.status_code == 200 and h1(overview.text) == "Overview"
+    for label in NAV:
+        assert f">{label}</a>" in overview.text
+    assert '<form method="post" action="/console/logout"' in overview.text and ">Sign out</button>" in overview.text
+
+
+def test_the_cookie_is_secure_when_the_console_is_served_over_https(store, admin):
+    # uvicorn trusts X-Forwarded-Proto from loopback (its default --forwarded-allow-ips), as from a TLS proxy.
+    with httpx.Client(base_url=store.base_url, follow_redirects=False) as client:
+        answer = client.post("/console/login", data={"token": admin}, headers={"X-Forwarded-Proto": "https"})
+    assert answer.status_code == 303 and "secure" in _cookie_attributes(answer)
+
+
+def test_a_token_without_admin_sees_a_403_page_and_nothing_else(store):
+    sub = f"console-reader-{uuid.uuid4().hex[:6]}"
+    reader = store.mint(sub, "acme/*:read,write", "*/*:read")
+    with httpx.Client(base_url=store.base_url, follow_redirects=False) as client:
+        answer = client.post("/console/login", data={"token": reader})
+        assert answer.status_code == 403 and h1(answer.text) == "Forbidden"
+        assert "set-cookie" not in answer.headers and not client.cookies
+        assert "Sign out" not in answer.text and "/console/records" not in answer.text
+        for path in PAGES:
+            client.cookies.set(COOKIE, reader, domain="127.0.0.1", path="/console")  # a cookie made by hand
+            refused = client.get(path)
+            assert refused.status_code == 403 and h1(refused.text) == "Forbidden", path
+            assert "/console/records?" not in refused.text
+    denied = rows(store, AuditEvent.actor == sub)
+    assert [(e.action, e.outcome) for e in denied][:2] == [("POST /console/login", "DENIED"), ("GET /console", "DENIED")]
+
+
+def test_an_invalid_token_gets_the_form_again_with_the_reason(store):
+    with httpx.Client(base_url=store.base_url, follow_redirects=False) as client:
+        answer = client.post("/console/login", data={"token": "not-a-token"})
+        empty = client.post("/console/login", data={"token": ""})
+    assert answer.status_code == 401 and h1(answer.text) == "Admin console"
+    assert 'class="error"' in answer.text and "malformed token" in answer.text
+    assert "set-cookie" not in answer.headers
+    assert empty.status_code == 401 and 'class="error"' in empty.text
+
+
+def test_a_sign_in_posted_from_another_origin_is_refused(store, admin):
+    with httpx.Client(base_url=store.base_url, follow_redirects=False) as client:
+        answer = client.post("/console/login", data={"token": admin}, headers={"Origin": "https://evil.example"})
+        # Under Referrer-Policy: no-referrer a browser's own form says "Origin: null"; Sec-Fetch-Site tells.
+        sandboxed = client.post("/console/login", data={"token": admin},
+                                headers={"Origin": "null", "Sec-Fetch-Site": "cross-site"})
+        same = client.post("/console/login", data={"token": admin}, headers={"Origin": store.base_url})
+        own_form = client.post("/console/login", data={"token": admin},
+                               headers={"Origin": "null", "Sec-Fetch-Site": "same-origin"})
+    assert answer.status_code == sandboxed.status_code == 403 and "set-cookie" not in answer.headers
+    assert same.status_code == own_form.status_code == 303
+
+
+def test_unauthenticated_pages_redirect_to_the_sign_in(store):
+    with httpx.Client(base_url=store.base_url, follow_redirects=False) as client:
+        for path in (*PAGES, "/console/records/acme/x/ck1-" + "0" * 56):
+            answer = client.get(path)
+            assert answer.status_code == 303 and answer.headers["location"] == "/console/login", path
+
+
+def test_sign_out_clears_the_cookie(store, console):
+    answer = console.post("/console/logout")
+    assert answer.status_code == 303 and answer.headers["location"] == "/console/login"
+    assert int(_cookie_attributes(answer)["max-age"]) == 0
+    assert not console.cookies
+    assert console.get("/console").status_code == 303
+
+
+def test_an_expired_token_is_signed_out_at_the_next_page(store, console, monkeypatch):
+    assert console.get("/console").status_code == 200
+    tokens = store.context.tokens
+    monkeypatch.setattr(tokens, "_clock", lambda: time.time() + 2 * 3600)  # past the token's hour
+    answer = console.get("/console/records")
+    assert answer.status_code == 303 and answer.headers["location"] == "/console/login"
+    assert int(_cookie_attributes(answer)["max-age"]) == 0
+
+
+def test_a_revoked_token_is_signed_out_at_the_next_page(store):
+    token = store.mint(f"console-admin-{uuid.uuid4().hex[:6]}", "*/*:admin")
+    with sign_in(store, token) as client:
+        assert client.get("/console/tokens").status_code == 200
+        store.context.tokens.revoke(store.context.tokens.verify(token).jti)
+        answer = client.get("/console/tokens")
+        assert answer.status_code == 303 and answer.headers["location"] == "/console/login"
+        assert client.get("/console").status_code == 303
+
+
+# -- headers ---------------------------------------------------------------------------------------------
+
+
+def test_every_console_answer_carries_the_security_headers(store, console, registry):
+    pub = registry.publications[0]
+    with httpx.Client(base_url=store.base_url, follow_redirects=False) as anonymous:
+        answers = [
+            anonymous.get("/console/login"), anonymous.get("/console"),
+            anonymous.post("/console/login", data={"token": store.mint("console-nobody", "acme/x:read")}),
+            anonymous.post("/console/login", data={"token": "garbage"}),
+            anonymous.get("/console/static/console.css"), anonymous.get("/console/static/console.js"),
+            anonymous.get("/console/static/nothing.css"), anonymous.get("/console/nowhere"),
+        ]
+    answers += [console.get(path) for path in PAGES]
+    answers += [console.get(_record_path(registry.repo, pub.key)), console.get("/console/records?health=bogus"),
+                console.get(_record_path(registry.repo, "ck1-" + "0" * 56))]
+    assert {a.status_code for a in answers} >= {200, 303, 400, 401, 403, 404}
+    for answer in answers:
+        _assert_secure_headers(answer)
+    # Outside the console the API keeps its own headers.
+    with store.client() as client:
+        assert "content-security-policy" not in client.get("/v1/health/live").headers
+
+
+def test_no_page_holds_inline_script_or_style(store, console, registry):
+    pub = registry.publications[0]
+    for path in (*PAGES, _record_path(registry.repo, pub.key), "/console/login"):
+        html = console.get(path).text
+        assert "<style" not in html and " style=" not in html, path
+        assert re.findall(r"<script[^>]*>", html) == ['<script src="/console/static/console.js" defer>'], path
+        assert " on" not in re.sub(r'"[^"]*"', '""', " ".join(re.findall(r"<[a-z][^>]*>", html))), path
+        assert "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "") and "https://" not in html
+
+
+# -- pages with data ------------------------------------------------------------------------------------
+
+
+def test_the_overview_counts_and_links(store, console, registry):
+    page = console.get("/console")
+    assert page.status_code == 200 and h1(page.text) == "Overview"
+    assert f'href="/console/records?family={registry.family}"' in page.text
+    assert 'href="/console/records?sm=' in page.text and 'href="/console/records?lane=' in page.text
+    for heading in ("Live records", "Bytes", "Publishes", "Unhealthy records", "Recent denials"):
+        assert f"<h2>{heading}</h2>" in page.text
+    published = re.findall(r'<th>last (24 h|7 d)</th>\s*<td class="num"><a href="[^"]*outcome=ok">(\d+)</a>', page.text)
+    assert [window for window, _ in published] == ["24 h", "7 d"]
+    assert 4 <= int(published[0][1]) <= int(published[1][1])  # this module's four publishes at least
+
+
+def test_unhealthy_records_are_counted_and_linked(store, console, registry):
+    pub = registry.publish_another(store, own_component=True)
+    with store.context.db.session() as session:  # what the scrub does when a component's bytes are gone
+        assert set_blob_health(session, pub.components["consts"].digest, BLOB_MISSING, actor="test") == 1
+    try:
+        overview = console.get("/console").text
+        section = overview.split("<h2>Unhealthy records</h2>")[1].split("<h2>")[0]
+        assert re.search(r'<a href="/console/records\?health=blob_missing">\d+ blob_missing</a>', section)
+        assert pub.key in section
+        listed = console.get("/console/records", params={"health": "blob_missing", "family": f"{registry.family}-more"})
+        assert pub.key in listed.text and 'class="health bad">blob_missing<' in listed.text
+        record = console.get(_record_path(registry.repo, pub.key)).text
+        assert "blob.damaged" in record  # the health change, in the record's history
+    finally:
+        with store.context.db.session() as session:
+            set_blob_health(session, pub.components["consts"].digest, BLOB_OK, actor="test")
+
+
+def test_the_records_page_lists_filters_and_badges_private_records(store, console, registry):
+    page = console.get("/console/records", params={"family": registry.family})
+    assert page.status_code == 200 and h1(page.text) == "Records"
+    assert '<form method="get" class="filters"' in page.text and ">Filter</button>" in page.text
+    for name in ("family", "sm", "lane", "repo", "publisher", "health"):
+        assert f'name="{name}"' in page.text
+    table = page.text.split('<table class="records">')[1].split("</table>")[0]
+    keys = [pub.key for pub in registry.publications] + [registry.private.key]
+    assert all(key in table for key in keys)
+    assert table.count("<tr>") - 1 == 4  # header + four records of this family
+    private_row = next(row for row in table.split("<tr>") if registry.private.key in row)
+    assert ">private</span>" in private_row
+    assert table.count(">private</span>") == 1
+    assert f'href="{_record_path(registry.repo, registry.publications[0].key)}"' in table
+
+
+@pytest.mark.parametrize("field", ["repo", "publisher", "health", "lane"])
+def test_record_filters_narrow(store, console, registry, field):
+    value = {"repo": registry.repo, "publisher": registry.publisher, "health": "ok", "lane": "baseline+packed"}[field]
+    page = console.get("/console/records", params={"family": registry.family, field: value})
+    table = page.text.split('<table class="records">')[1].split("</table>")[0]
+    expected = {"repo": 3, "publisher": 2, "health": 4, "lane": 4}[field]
+    assert table.count("<tr>") - 1 == expected, field
+    assert f'name="{field}" value="{value}"' in page.text  # the form shows what was asked
+    nothing = console.get("/console/records", params={"family": registry.family, field: "acme/none"
+                                                      if field == "repo" else "blob_missing"
+                                                      if field == "health" else "nobody"})
+    assert "no matching live records" in nothing.text
+
+
+def test_records_page_by_keyset(store, console, registry):
+    first = console.get("/console/records", params={"family": registry.family, "limit": 3})
+    following = next_link(first.text)
+    assert following is not None and "cursor=" in following and f"family={registry.family}" in following
+    second = console.get(following)
+    assert second.status_code == 200 and next_link(second.text) is None
+    seen = [key for key in [p.key for p in registry.publications] + [registry.private.key]
+            if key in first.text or key in second.text]
+    assert len(seen) == 4
+    assert not any(key in first.text and key in second.text for key in seen)
+
+
+def test_the_record_page(store, console, registry):
+    pub = registry.publications[0]
+    page = console.get(_record_path(registry.repo, pub.key))
+    assert page.status_code == 200 and h1(page.text) == "Record"
+    for heading in ("Manifest", "Input contract", "Binding table", "Components", "Kernel lane", "Evidence",
+                    "Receipt", "History"):
+        assert f"<h2>{heading}</h2>" in page.text, heading
+    assert '<table class="binding">' in page.text and 'id="binding-search"' in page.text
+    assert "consts" in page.text and pub.components["consts"].digest in page.text
+    assert "verifies against the current JWKS" in page.text
+    assert "compiled_graph.publish" in page.text  # the history, from the audit log
+    assert "0.228" in page.text and "19.4" in page.text  # the evidence
+    missing = console.get(_record_path(registry.repo, "ck1-" + "0" * 56))
+    assert missing.status_code == 404 and h1(missing.text) == "Not found"
+    private = console.get(_record_path(registry.private_repo, registry.private.key))
+    assert private.status_code == 200 and ">private</span>" in private.text
+
+
+def test_a_receipt_that_does_not_verify_is_said_so(store, console, registry):
+    pub = registry.publish_another(store)
+    with store.context.db.session() as session:
+        from sqlalchemy import update
+
+        from cgstore.compiled_graphs.models import CompiledGraph
+        session.execute(update(CompiledGraph).where(CompiledGraph.key == pub.key)
+                        .values(receipt=CompiledGraph.receipt + "x"))  # the signature no longer matches
+    page = console.get(_record_path(registry.repo, pub.key))
+    assert "does not verify" in page.text and "verifies against" not in page.text
+
+
+def test_the_tokens_page_never_shows_a_token(store, console, admin, registry):
+    page = console.get("/console/tokens", params={"sub": registry.publisher})
+    assert page.status_code == 200 and h1(page.text) == "Tokens"
+    assert '<table class="tokens">' in page.text and '<table class="keys">' in page.text
+    assert registry.publisher in page.text and "active" in page.text
+    assert admin not in page.text and admin.split(".")[2] not in page.text
+    child = store.context.tokens.attenuate(store.context.tokens.verify(admin), ["*/*:admin"], 600)
+    chained = console.get("/console/tokens", params={"sub": child.claims.sub})
+    row = next(r for r in chained.text.split("<tr") if child.jti in r)
+    assert store.context.tokens.verify(admin).jti in row  # the parent chain
+    assert child.token not in chained.text
+
+
+def test_the_tokens_page_pages(store, console):
+    sub = f"console-many-{uuid.uuid4().hex[:6]}"
+    for _ in range(3):
+        store.mint(sub, "acme/x:read")
+    first = console.get("/console/tokens", params={"sub": sub, "limit": 2})
+    second = console.get(next_link(first.text))
+    assert second.status_code == 200 and next_link(second.text) is None
+    assert second.text.count('<tr class="active">') == 1
+
+
+def test_the_storage_page(store, console, registry):
+    page = console.get("/console/storage")
+    assert page.status_code == 200 and h1(page.text) == "Storage"
+    assert '<svg class="growth"' in page.text
+    chart = page.text.split('<svg class="growth"')[1].split("</svg>")[0]
+    assert chart.count("<rect") == 30  # one column a day, the last 30 days, the newest with this test's blobs
+    stored = sum(int(size) for size in re.findall(r"<title>\d{4}-\d\d-\d\d: (\d+) bytes</title>", chart))
+    assert stored >= registry.publications[0].artifact.size  # one artifact, stored once (dedup)
+    assert "Background tasks" in page.text and "audit-checkpoint" in page.text or "no background task" in page.text
+
+
+# -- the audit page ----------------------------------------------------------------------------------------
+
+
+def test_the_audit_page_filters_and_pages_newest_first(store, console, registry):
+    page = console.get("/console/audit", params={"actor": registry.publisher, "action": "compiled_graph.*"})
+    assert page.status_code == 200 and h1(page.text) == "Audit log"
+    for name in ("actor", "jti", "repo", "action", "outcome", "source", "since", "until"):
+        assert f'name="{name}"' in page.text
+    table = page.text.split('<table class="audit">')[1].split("</table>")[0]
+    ids = [int(i) for i in re.findall(r"<tr class=\"ok\">\s*<td>(\d+)</td>", table)]
+    assert len(ids) == 2 and ids == sorted(ids, reverse=True)
+    assert table.count("compiled_graph.publish") == 2
+    first = console.get("/console/audit", params={"repo": registry.repo, "limit": 2})
+    assert next_link(first.text) is not None
+    second = console.get(next_link(first.text))
+    first_ids = re.findall(r"<tr class=\"\w+\">\s*<td>(\d+)</td>", first.text)
+    second_ids = re.findall(r"<tr class=\"\w+\">\s*<td>(\d+)</td>", second.text)
+    assert first_ids and second_ids and int(first_ids[-1]) > int(second_ids[0])
+
+
+def test_the_audit_page_shows_aggregated_401s_with_their_count(store, console):
+    source_path = f"/v1/audit?probe={uuid.uuid4().hex}"
+    with store.client("bad-token") as client:
+        for _ in range(3):
+            assert client.get(source_path).status_code == 401
+    store.context.denials.flush()
+    page = console.get("/console/audit", params={"action": "auth", "outcome": "TOKEN_INVALID"})
+    assert re.search(r'class="aggregate"[^>]*>×\d+<', page.text)
+
+
+# -- escaping, bad input, the audit of reads --------------------------------------------------------------
+
+
+def test_hostile_strings_render_as_text(store, console, registry, admin):
+    target = registry.publish_another(store)
+    with store.client(admin) as client:
+        owner, name = registry.repo.split("/")
+        yanked = client.post(f"/v1/repos/{owner}/{name}/compiled-graphs/{target.key}:yank",
+                             json={"reason": HOSTILE_REASON, "publisher": HOSTILE})
+        assert yanked.status_code == 200, yanked.text
+    pages = [
+        console.get("/console/records", params={"family": registry.family}),
+        console.get("/console/records", params={"publisher": HOSTILE, "repo": registry.repo}),
+        console.get(_record_path(registry.private_repo, registry.private.key)),
+        console.get("/console/audit", params={"action": "compiled_graph.yank",
+                                              "actor": store.context.tokens.verify(admin).sub}),
+        console.get("/console/audit", params={"actor": HOSTILE}),
+        console.get("/console/tokens", params={"sub": HOSTILE}),
+    ]
+    for page in pages:
+        assert page.status_code == 200
+        assert "<script>alert" not in page.text and "<img src=x" not in page.text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&#34;&#39;&amp;" in pages[1].text  # the publisher, as text
+    assert "&lt;script&gt;alert(2)&lt;/script&gt;" in pages[3].text
+    assert "r\\u043eot" in pages[3].text  # the escaped form the audit stores, shown as stored
+    assert 'value="&lt;script&gt;alert(1)&lt;/script&gt;&#34;&#39;&amp;"' in pages[4].text  # the form's value
+
+
+@pytest.mark.parametrize("path, params", [
+    ("/console/records", {"health": "bogus"}),
+    ("/console/records", {"repo": "not a repo"}),
+    ("/console/records", {"cursor": "made-up"}),
+    ("/console/records", {"limit": "0"}),
+    ("/console/audit", {"since": "yesterday"}),
+    ("/console/audit", {"cursor": "-1"}),
+    ("/console/audit", {"limit": "100000"}),
+    ("/console/tokens", {"cursor": "nosuchjti"}),
+    ("/console/records", {"family": "x" * 2000}),
+])
+def test_bad_filter_input_shows_the_page_with_an_error(store, console, path, params):
+    answer = console.get(path, params=params)
+    assert answer.status_code == 400, answer.text
+    assert 'class="error"' in answer.text and h1(answer.text) in ("Records", "Audit log", "Tokens")
+    assert '<form method="get" class="filters"' in answer.text
+
+
+def test_a_query_no_database_stores_gets_a_page_too(console):
+    answer = console.get("/console/records", params={"family": "a\x00b"})  # refused by the app-wide input rule
+    assert answer.status_code == 400 and h1(answer.text) == "Bad request"
+    assert 'class="message"' in answer.text and "NUL" in answer.text
+    _assert_secure_headers(answer)
+
+
+def test_console_reads_are_audited(store, console, admin, registry):
+    jti = store.context.tokens.verify(admin).jti
+    console.get("/console/records", params={"family": registry.family})
+    console.get(_record_path(registry.repo, registry.publications[0].key))
+    console.get("/console/audit", params={"actor": "nobody"})
+    reads = rows(store, AuditEvent.jti == jti)
+    assert [e.action for e in reads] == ["POST /console/login", "GET /console/records",
+                                         "GET /console/records/{owner}/{repo}/{key}", "GET /console/audit"]
+    assert reads[1].target == f"/console/records?family={registry.family}" and reads[1].outcome == "ok"
+    assert reads[2].target == _record_path(registry.repo, registry.publications[0].key)
+
+
+def test_the_fit_chart_draws_each_lane_against_card_sizes():
+    gib = 1 << 30
+    lane = '<b>"dense"</b>'
+    svg = charts.fit_chart({"winner": "baseline+packed",
+                            "fit": {"peaks": {"baseline+packed": 20 * gib, lane: 60 * gib}, "order": []}})
+    assert svg.startswith('<svg class="fit"') and svg.count("<rect") == 4
+    assert "&lt;b&gt;&#34;dense&#34;&lt;/b&gt;" in svg and "<b>" not in svg
+    assert "80 GiB" in svg and "24 GiB" in svg and 'class="bar winner"' in svg
+    assert charts.fit_chart({"winner": "x", "fit": None}) is None and charts.fit_chart(None) is None
+
+
+def test_quoting_in_links(console, registry):
+    page = console.get("/console")
+    assert f'href="/console/records?family={quote(registry.family)}"' in page.text
+
+
+def test_whole_registry_figures_are_reused_for_their_interval(make_store):
+    """``CGSTORE_CONSOLE_AGGREGATES_S``: the storage and overview sums are computed once per interval, with
+    their time; what is read per page (the records list) stays live."""
+    live = make_store("embedded", console_aggregates_s=3600)
+    admin = live.mint("console-admin", "*/*:admin")
+    writer = live.mint("writer", "acme/cache:read,write")
+
+    def blobs_figure(html: str) -> int:
+        return int(re.search(r'<tbody><tr>\s*<td class="num">(\d+)</td>', html).group(1))
+
+    with sign_in(live, admin) as console:
+        first = console.get("/console/storage").text
+        overview = console.get("/console").text
+        assert "Figures as of" in first and "computed at most every 3600 s" in first
+        with live.client(writer) as client:
+            data = uuid.uuid4().bytes * 100
+            digest = "blake3:" + blake3.blake3(data).hexdigest()
+            assert client.put(f"/v1/repos/acme/cache/blobs/{digest}", content=data).status_code == 201
+        again = console.get("/console/storage").text
+        assert blobs_figure(again) == blobs_figure(first)
+        assert re.findall(r"Figures as of (.*?) UTC", again) == re.findall(r"Figures as of (.*?) UTC", first)
+        assert console.get("/console").text.split("Figures as of")[1][:40] == overview.split("Figures as of")[1][:40]
