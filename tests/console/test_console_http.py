@@ -170,6 +170,7 @@ def test_every_console_answer_carries_the_security_headers(store, console, regis
     answers += [console.get(_record_path(registry.repo, pub.key)), console.get("/console/records?health=bogus"),
                 console.get(_record_path(registry.repo, "ck1-" + "0" * 56))]
     assert {a.status_code for a in answers} >= {200, 303, 400, 401, 403, 404}
+    assert answers[6].status_code == 404 and h1(answers[6].text) == "Not found"  # a page, as every refusal
     for answer in answers:
         _assert_secure_headers(answer)
     # Outside the console the API keeps its own headers.

@@ -339,7 +339,7 @@ async def sign_out(request: Request) -> Response:
 async def static(name: str) -> Response:
     found = _STATIC.get(name)
     if found is None:
-        return Response("no such file", status_code=404, media_type="text/plain")
+        return _message(404, "Not found", "The console serves no such file.")
     content, media_type = found
     return Response(content, media_type=media_type)
 
