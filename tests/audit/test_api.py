@@ -10,6 +10,8 @@ from cgstore_client.wire.audit import AuditPage
 
 from cgstore.audit.models import AuditEvent
 from tests.audit.conftest import rows
+from tests.compiled_graphs.support import CONSTANTS_A, publication, publish, safetensors_bytes, unique_envelope
+from tests.support.archives import archive_report
 from tests.support.live_store import unique_repo
 
 
@@ -127,3 +129,21 @@ def test_hostile_filter_values_match_the_stored_form(store, admin):
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "BAD_REQUEST"
         found = _page(client, repo=f"acme/{name}").entries
     assert [e.target for e in found] == [f"/v1/repos/acme/{name}/uploads/a\\x00b"]
+
+
+def test_a_repos_publishes_and_yanks_are_found_by_its_repo(store, admin, pt2_archive):
+    """Publish (created, then exists) and yank entries carry the repo, so ``?repo=`` finds a record's history."""
+    name = unique_repo("history")
+    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)},
+                      envelope=unique_envelope())
+    with store.client(store.mint("alice", f"acme/{name}:read,write")) as client:
+        assert publish(client, "acme", name, pub).status_code == 201
+        assert publish(client, "acme", name, pub, send_blobs=False).status_code == 200
+    with store.client(admin) as client:
+        yanked = client.post(f"/v1/repos/acme/{name}/compiled-graphs/{pub.key}:yank", json={"reason": "bad card"})
+        assert yanked.status_code == 200, yanked.text
+        entries = _page(client, repo=f"acme/{name}", action="compiled_graph.*").entries
+    assert [(e.action, e.detail.get("result")) for e in entries] == [
+        ("compiled_graph.publish", "created"), ("compiled_graph.publish", "exists"), ("compiled_graph.yank", None),
+    ]
+    assert {e.target for e in entries} == {f"acme/{name}:{pub.key}"}
