@@ -178,6 +178,20 @@ def test_cli_ls_filters_by_family_and_sm(store, scene):
     assert "no matching records" in _cli(store, "ls", "--family", "fam-absent-" + uuid.uuid4().hex[:6]).output
 
 
+def test_cli_ls_marks_a_private_caches_records(store, pt2_archive, pt2_report):
+    name, family = unique_repo("ls-private"), f"fam-{uuid.uuid4().hex[:8]}"
+    pub = publication(pt2_archive, pt2_report, components={"consts": _component()}, family=family,
+                      envelope={"shapes": [[32, 32]], "text_len": 77})
+    with store.client(store.mint("carol", f"acme/{name}:read,write,admin")) as client:
+        assert client.put(f"/v1/repos/acme/{name}", json={"visibility": "principal"}).status_code == 201
+        assert publish(client, "acme", name, pub).status_code == 201
+    listed = _cli(store, "ls", "--family", family, "--json").output.splitlines()
+    rows = [RecordSummary.model_validate_json(line) for line in listed]
+    assert [(r.key, r.private) for r in rows] == [(pub.key, True)]
+    table = _cli(store, "ls", "--family", family)
+    assert table.exit_code == 0 and f"acme/{name} (private)" in table.output
+
+
 def test_cli_show_prints_the_record(store, scene):
     pub = scene["pubs"][2]
     result = _cli(store, "show", pub.key, "--json")

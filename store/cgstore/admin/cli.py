@@ -76,9 +76,14 @@ def ls(
 def _summary_table(title: str | None, summaries: Sequence[RecordSummary]) -> Table:
     return _table(
         title, ("repo", "key", "family", "sm", "lane", "health", "drift", "publisher", "created (UTC)"),
-        ((s.repo, s.key, s.family, s.sm, s.lane, s.health, str(s.drift_reports), s.publisher, _when(s.created_at))
-         for s in summaries),
+        ((_repo_cell(s), s.key, s.family, s.sm, s.lane, s.health, str(s.drift_reports), s.publisher,
+          _when(s.created_at)) for s in summaries),
     )
+
+
+def _repo_cell(summary: RecordSummary) -> str:
+    """The repo, marked when it is a private cache (the JSON API shows such a record to its publisher only)."""
+    return f"{summary.repo} (private)" if summary.private else summary.repo
 
 
 def show(
