@@ -49,7 +49,7 @@ from cgstore_client.receipts import (
     proves_root,
     verify_jws_receipt,
 )
-from cgstore_client.wire.discovery import DEFAULT_DISCOVER_LIMIT, Candidate
+from cgstore_client.wire.discovery import Candidate
 from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -419,23 +419,15 @@ class Client:
 
     # --- boot by declaration (cgstore_client.discovery) ------------------------------------
 
-    def discover(
-        self,
-        family: str,
-        *,
-        envelope: Envelope | Mapping[str, object],
-        sm: str,
-        toolchain: Toolchain | Mapping[str, str],
-        release: str | None = None,
-        binding_signature: str | None = None,
-        code: str | None = None,
-        limit: int = DEFAULT_DISCOVER_LIMIT,
-    ) -> list[Candidate]:
-        """The live records matching a declaration, best first (offline or with the store down: the cached answer)."""
+    def discover(self, family: str, *, envelope: Envelope | Mapping[str, object], sm: str,
+                 toolchain: Toolchain | Mapping[str, str], **options: Any) -> list[Candidate]:
+        """The live records matching a declaration, best first (offline or with the store down: the cached answer).
+
+        ``options``: ``release``, ``binding_signature``, ``code``, ``limit``; see :func:`discovery.discover_request`.
+        """
         from cgstore_client import discovery
 
-        request = discovery.discover_request(family, envelope=envelope, sm=sm, toolchain=toolchain, release=release,
-                                             binding_signature=binding_signature, code=code, limit=limit)
+        request = discovery.discover_request(family, envelope=envelope, sm=sm, toolchain=toolchain, **options)
         return discovery.discover(self, request)
 
     def boot(self, family: str, model: Any, *, envelope: Envelope | Mapping[str, object], **options: Any) -> Booted:
