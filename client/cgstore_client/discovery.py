@@ -17,7 +17,8 @@ computes what the live ``forward`` computes: a patched forward over the same
 tensors passes it. Only *confirmation* says that: exporting the live model
 and comparing its graph digest with the record's (the store measured it on
 admission). ``confirm="before"`` confirms before serving (an export, seconds
-to minutes); ``"background"`` serves at once and confirms in a thread,
+to minutes) and, when a candidate drifts, reports it and tries the next one;
+``"background"`` serves at once and confirms in a thread,
 switching the handle to eager for every later call on drift and reporting
 it (``POST …/compiled-graphs/{key}:report``); ``"never"`` trusts the gate.
 
@@ -192,12 +193,11 @@ def boot(
     confirm = confirm or ("before" if mandatory else "background")
     if confirm not in CONFIRM_MODES:
         raise ValueError(f"confirm is one of {CONFIRM_MODES}, not {confirm!r}")
+    confirm_each = confirm == "before" and example_inputs is not None
     booted = _boot(client, family, model, _declaration(family, model, envelope, toolchain, sm, release, code, device),
-                   example_inputs, checkpoint, device)
-    if booted.compiled and confirm != "never" and example_inputs is not None:
-        _start_confirmation(client, booted, model, example_inputs, background=confirm == "background")
-        if confirm == "before" and booted.confirmation == SKIPPED:  # the export failed: nothing confirmed it
-            booted._go_eager(f"{UNCONFIRMED}: the live model could not be exported to confirm the graph")
+                   example_inputs, checkpoint, device, confirm_each)
+    if booted.compiled and confirm == "background" and example_inputs is not None:
+        _start_confirmation(client, booted, model, example_inputs, background=True)
     if mandatory and not booted.compiled:
         raise CompiledRequired({family: booted.reason or reasons.MISS})
     return booted
@@ -213,7 +213,9 @@ def _declaration(family, model, envelope, toolchain, sm, release, code, device) 
                             binding_signature=signature_from_module(model), code=fingerprint)
 
 
-def _boot(client, family, model, request: DiscoverRequest, example_inputs, checkpoint, device) -> Booted:
+def _boot(client, family, model, request: DiscoverRequest, example_inputs, checkpoint, device,
+          confirm_each: bool) -> Booted:
+    """The first candidate through the structural gate (and, with ``confirm_each``, confirmed), else eager."""
     try:
         candidates = discover(client, request)
     except Offline as err:
@@ -222,14 +224,31 @@ def _boot(client, family, model, request: DiscoverRequest, example_inputs, check
         return Booted(model, reason=f"{reasons.UNAVAILABLE}: {err}")
     shapes = _leaf_shapes(example_inputs) if example_inputs is not None else None
     weights = checkpoint if checkpoint is not None else model.state_dict()
-    refusals = []
+    refusals, drifted = [], None
     for candidate in candidates:
         outcome = _serve_candidate(client, candidate, request.binding_signature, shapes, weights, device)
         if isinstance(outcome, str):
             refusals.append(f"{candidate.key}: {outcome}")
             continue
         loaded, compiled = outcome
-        return Booted(model, compiled=compiled, loaded=loaded)
+        booted = Booted(model, compiled=compiled, loaded=loaded)
+        if not confirm_each:
+            return booted
+        _start_confirmation(client, booted, model, example_inputs, background=False)
+        if booted.confirmation == SKIPPED:  # the export failed: no candidate can be confirmed
+            booted._go_eager(f"{UNCONFIRMED}: the live model could not be exported to confirm the graph")
+        if booted.confirmation != DRIFT:
+            return booted
+        # Same declaration and tensors, another computation (a config flag the declaration does not
+        # name): reported already; a later candidate may hold this model's graph.
+        if drifted is None:
+            drifted = booted
+        else:
+            refusals.append(f"{candidate.key}: {booted.reason}")
+    if drifted is not None:  # every served candidate drifted: the first one's handle says so
+        if refusals:
+            drifted.reason += f" (other candidates: {'; '.join(refusals)})"
+        return drifted
     if refusals:
         return Booted(model, reason=f"{reasons.MISS}: no candidate could be served ({'; '.join(refusals)})")
     return Booted(model, reason=_miss_reason(client, request, model))

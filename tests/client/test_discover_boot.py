@@ -135,6 +135,38 @@ def test_confirm_before_refuses_a_patched_forward_up_front_and_mandatory_raises(
     assert required.value.retryable
 
 
+def test_confirm_before_reports_a_drifting_candidate_and_serves_the_next_one_holding_the_live_graph(
+    store, pt2_archive, pt2_archive_sigmoid, tmp_path
+):
+    """Two records of one declaration and the same tensors, graphs differing (what a config flag makes): the
+    newest drifts from the live model, is reported, and the next one, confirmed, is served."""
+    repo = f"acme/{unique_repo()}"
+    token = store.mint("mint-child", f"{repo}:read,write")
+    keys = {}
+    with Client(store.base_url, token, cache_dir=tmp_path / "mint-cache") as client:
+        for name, source in (("sigmoid", pt2_archive_sigmoid), ("relu", pt2_archive)):  # relu is the newest
+            archive = tmp_path / name / "model.pt2"
+            archive.parent.mkdir()
+            shutil.copy(source, archive)
+            shutil.copy(derived_constants_path(source), derived_constants_path(archive))
+            keys[name] = client.publish(repo, archive, family=FAMILY, envelope=ENVELOPE, release=RELEASE,
+                                        toolchain=environment_toolchain(), sm=environment_sm("cpu")).key
+    live = patched(tiny_model(seed=3))
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        found = client.discover(FAMILY, envelope=ENVELOPE, sm=environment_sm("cpu"),
+                                toolchain=environment_toolchain(), release=RELEASE)
+        assert [c.key for c in found] == [keys["relu"], keys["sigmoid"]]  # the drifting one is tried first
+        booted = boot(client, live, code=False, confirm="before", example_inputs=tiny_inputs())
+        assert booted.compiled and booted.confirmation == "confirmed" and booted.loaded.key == keys["sigmoid"]
+        with torch.no_grad():  # inductor's fused sigmoid may differ from eager's in the last bits
+            assert all(torch.allclose(booted(*tiny_inputs(b)), live(*tiny_inputs(b)), rtol=1e-5, atol=1e-6)
+                       for b in (1, 2, 5))
+        assert boot(client, live, code=False, mandatory=True, example_inputs=tiny_inputs()).compiled
+        reports = {name: client.transport.request("GET", f"/v1/repos/{repo}/compiled-graphs/{key}").json()
+                   ["drift_reports"] for name, key in keys.items()}
+    assert reports == {"relu": 2, "sigmoid": 0}  # each confirming boot told the store about the drifting one
+
+
 class Renamed(torch.nn.Module):
     """The tiny model one level down: every tensor's name gains ``inner.``."""
 

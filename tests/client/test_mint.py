@@ -54,8 +54,8 @@ def test_weights_never_reach_the_archive_bytes(pt2_archive: Path, pt2_archive_re
     assert pt2_archive.read_bytes() == pt2_archive_reweighted.read_bytes()
 
 
-def test_the_session_compiled_at_most_four_archives(built_archives: BuiltArchives) -> None:
-    assert built_archives.record["compiles"] <= 4
+def test_the_session_compiled_at_most_five_archives(built_archives: BuiltArchives) -> None:
+    assert built_archives.record["compiles"] <= 5
 
 
 # --------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Real ``.pt2`` archives for the test session: compiled once, cached across runs.
 
 An AOTInductor compile costs ~20-40 s on this machine, so the session
-compiles exactly four archives, and only when the cache is cold:
+compiles exactly five archives, and only when the cache is cold:
 
 ``tiny.pt2``
     archive A: :class:`TinyModel` (seed 0) minted in this process.
@@ -14,6 +14,10 @@ compiles exactly four archives, and only when the cache is cold:
     archive A minted again in a *subprocess* with its own
     ``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``, ``TMPDIR`` and working
     directory: the double-mint reproducibility witness.
+``tiny-sigmoid.pt2``
+    :class:`TinyModel` with a sigmoid for the ReLU: archive A's tensors (the
+    same binding signature), another graph — what a config flag the
+    declaration does not name makes.
 
 The cache lives in ``<repo>/.test-cache/archives/<key>/`` where ``key``
 hashes the torch version and the sources that decide the bytes (this file,
@@ -70,6 +74,7 @@ ARCHIVE_A = "tiny.pt2"
 ARCHIVE_REWEIGHTED = "tiny-reweighted.pt2"
 ARCHIVE_SECOND_MINT = "second-mint.pt2"
 ARCHIVE_TIED = "tied.pt2"
+ARCHIVE_SIGMOID = "tiny-sigmoid.pt2"
 _BUILD_RECORD = "build.json"
 
 #: The dynamic batch dimension's declared range.
@@ -235,6 +240,10 @@ class BuiltArchives:
     def tied(self) -> Path:
         return self.directory / ARCHIVE_TIED
 
+    @property
+    def sigmoid(self) -> Path:
+        return self.directory / ARCHIVE_SIGMOID
+
 
 def mint_tiny(path: Path, seed: int = 0) -> float:
     """Mint :func:`tiny_program` (``seed``) to ``path``; returns the seconds it took."""
@@ -279,13 +288,14 @@ def _mint_in_subprocess(path: Path, scratch: Path) -> float:
 
 
 def build_archives(directory: Path) -> dict[str, object]:
-    """Compile the four session archives into ``directory``; returns the build record."""
+    """Compile the five session archives into ``directory``; returns the build record."""
     directory.mkdir(parents=True, exist_ok=True)
     seconds = {
         ARCHIVE_A: mint_tiny(directory / ARCHIVE_A, seed=0),
         ARCHIVE_REWEIGHTED: mint_tiny(directory / ARCHIVE_REWEIGHTED, seed=1),
         ARCHIVE_SECOND_MINT: _mint_in_subprocess(directory / ARCHIVE_SECOND_MINT, directory / "scratch"),
         ARCHIVE_TIED: _timed_mint(tied_program(), directory / ARCHIVE_TIED),
+        ARCHIVE_SIGMOID: _timed_mint(tiny_program(activation="sigmoid"), directory / ARCHIVE_SIGMOID),
     }
     shutil.rmtree(directory / "scratch", ignore_errors=True)
     return {"compile_seconds": seconds, "compiles": len(seconds)}
@@ -331,7 +341,7 @@ def archive_report(path: Path) -> ArchiveReport:
 
 @pytest.fixture(scope="session")
 def built_archives() -> BuiltArchives:
-    """The session's four real archives (compiled on a cold cache only)."""
+    """The session's five real archives (compiled on a cold cache only)."""
     return ensure_archives()
 
 
@@ -357,6 +367,12 @@ def pt2_archive_second_mint(built_archives: BuiltArchives) -> Path:
 def pt2_archive_tied(built_archives: BuiltArchives) -> Path:
     """:func:`tied_program` minted: ties in its metadata, derived constants beside it."""
     return built_archives.tied
+
+
+@pytest.fixture(scope="session")
+def pt2_archive_sigmoid(built_archives: BuiltArchives) -> Path:
+    """:func:`tiny_program` with ``activation="sigmoid"``: archive A's tensors, another computation."""
+    return built_archives.sigmoid
 
 
 @pytest.fixture(scope="session")
