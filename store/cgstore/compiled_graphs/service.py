@@ -268,6 +268,7 @@ def _try_insert(
                 for c in manifest.components
             )
             audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH, target=target_name,
+                  repo=f"{target.owner}/{target.name}",
                   detail={"result": "created", "artifact": row.artifact_digest, "component_set": row.component_set})
             crash_point("publish.inserted")  # everything written, nothing committed
             return Published(_publish_answer(target, row, "created"), created=True)
@@ -280,7 +281,7 @@ def _try_insert(
         detail = {"live": {"artifact": live.artifact_digest, "component_set": live.component_set},
                   "offered": {"artifact": row.artifact_digest, "component_set": row.component_set}}
         audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH, target=target_name,
-              outcome="ok" if same else KeyConflict.code,
+              repo=f"{target.owner}/{target.name}", outcome="ok" if same else KeyConflict.code,
               detail={"result": "exists"} if same else {"result": "non-reproducible mint", **detail})
     if not same:
         raise KeyConflict(
@@ -510,7 +511,7 @@ def yank(
         )
         live.yanked_at, live.yanked_by, live.yank_reason = now, claims.sub, reason
         audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_YANK, target=f"{owner}/{repo}:{key}",
-              detail={"reason": reason, "artifact": live.artifact_digest, "publisher": live.publisher})
+              repo=f"{owner}/{repo}", detail={"reason": reason, "artifact": live.artifact_digest, "publisher": live.publisher})
         components = _components_of(session, [live.id])
     return to_record(target, live, components.get(live.id, []))
 
