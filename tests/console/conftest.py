@@ -7,9 +7,11 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
+from playwright.sync_api import Browser, sync_playwright
 
 from tests.compiled_graphs.support import CONSTANTS_A, Publication, publication, publish, safetensors_bytes, unique_envelope
 from tests.support.archives import archive_report
@@ -19,6 +21,22 @@ from tests.support.live_store import unique_repo
 HOSTILE = "<script>alert(1)</script>\"'&"
 #: A yank reason: markup, quotes, and a non-ASCII letter the audit stores escaped (``\u043e``).
 HOSTILE_REASON = "<script>alert(2)</script> \"q\" 'q' r\u043eot <img src=x onerror=alert(3)>"
+
+CHROMIUM = Path("/usr/bin/chromium")
+#: Where the browser tests leave their screenshots (``.test-results`` is the suite's output directory).
+SCREENSHOTS = Path(__file__).resolve().parents[2] / ".test-results" / "console"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Debian's chromium, headless, once per module (Playwright's own browser download cannot run here)."""
+    assert CHROMIUM.exists(), "make test installs Debian's chromium (make chromium)"
+    with sync_playwright() as pw:
+        launched = pw.chromium.launch(
+            executable_path=str(CHROMIUM), args=["--headless", "--no-sandbox", "--disable-gpu"]
+        )
+        yield launched
+        launched.close()
 
 
 @contextlib.contextmanager

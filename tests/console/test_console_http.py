@@ -347,6 +347,19 @@ def test_the_audit_page_filters_and_pages_newest_first(store, console, registry)
     assert first_ids and second_ids and int(first_ids[-1]) > int(second_ids[0])
 
 
+def test_the_audit_page_filtered_by_repo_lists_its_publishes_and_yanks(store, console, registry, admin):
+    """Publishes and yanks concern their repo like its uploads do: ``repo=`` finds them (it once found neither)."""
+    target = registry.publish_another(store)
+    with store.client(admin) as client:
+        owner, name = registry.repo.split("/")
+        assert client.post(f"/v1/repos/{owner}/{name}/compiled-graphs/{target.key}:yank",
+                           json={"reason": "superseded"}).status_code == 200
+    page = console.get("/console/audit", params={"repo": registry.repo, "action": "compiled_graph.*"})
+    table = page.text.split('<table class="audit">')[1].split("</table>")[0]
+    assert table.count("<td>compiled_graph.publish</td>") >= 4 and table.count("<td>compiled_graph.yank</td>") == 1
+    assert f"{registry.repo}:{target.key}" in table
+
+
 def test_the_audit_page_shows_aggregated_401s_with_their_count(store, console):
     source_path = f"/v1/audit?probe={uuid.uuid4().hex}"
     with store.client("bad-token") as client:

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-from playwright.sync_api import sync_playwright
+
+from tests.console.conftest import SCREENSHOTS
 
 pytestmark = pytest.mark.browser
-
-CHROMIUM = Path("/usr/bin/chromium")
-SCREENSHOTS = Path(__file__).resolve().parents[2] / ".test-results" / "console"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    assert CHROMIUM.exists(), "make test installs Debian's chromium (make chromium)"
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=str(CHROMIUM), args=["--headless", "--no-sandbox", "--disable-gpu"]
-        )
-        yield browser
-        browser.close()
 
 
 def test_docs_render_offline(store, browser):
