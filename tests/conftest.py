@@ -9,14 +9,14 @@ import pytest
 
 from cgstore.settings import Settings
 from tests.support import services
-from tests.support.live_store import CONFIGURATIONS, running_store, settings_for
+from tests.support.live_store import CONFIGURATIONS, running_store, session_servers, settings_for
 
 pytest_plugins: list[str] = ["tests.support.archives"]
 
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """One moto_server process for the whole session (each store gets its own bucket)."""
+    """One moto_server process for the whole session (a database and its stores share one bucket)."""
     with services.moto_s3_server() as server:
         yield server
 
@@ -28,15 +28,19 @@ def pg_url():
         yield url
 
 
+@pytest.fixture(scope="session")
+def session_bucket(s3_server) -> str:
+    """The bucket of the session database's stores (the session store's and ``make_store``'s)."""
+    return s3_server.create_bucket()
+
+
 @pytest.fixture(scope="session", params=CONFIGURATIONS)
 def store(request, tmp_path_factory):
     """The store, running, once per configuration: every test using it runs twice."""
     configuration = request.param
-    needs_servers = configuration == "production"
-    pg = request.getfixturevalue("pg_url") if needs_servers else None
-    s3 = request.getfixturevalue("s3_server") if needs_servers else None
     home = tmp_path_factory.mktemp(f"home-{configuration}")
-    with running_store(settings_for(configuration, home, pg_url=pg, s3=s3), configuration) as live:
+    with running_store(settings_for(configuration, home, **session_servers(request, configuration)),
+                       configuration) as live:
         yield live
 
 
@@ -44,16 +48,15 @@ def store(request, tmp_path_factory):
 def make_store(request, tmp_path_factory):
     """Start an extra store with setting overrides: ``make_store("production", upload_session_ttl_s=1)``.
 
-    Production stores share the session database, which is fine: tests use unique repo names.
+    Production stores share the session database and its bucket, which is fine: tests use
+    unique repo names.
     """
     stack = []
 
     def start(configuration: str, **overrides):
-        needs_servers = configuration == "production"
-        pg = request.getfixturevalue("pg_url") if needs_servers else None
-        s3 = request.getfixturevalue("s3_server") if needs_servers else None
         home = tmp_path_factory.mktemp(f"extra-{configuration}")
-        manager = running_store(settings_for(configuration, home, pg_url=pg, s3=s3, **overrides), configuration)
+        servers = session_servers(request, configuration)
+        manager = running_store(settings_for(configuration, home, **servers, **overrides), configuration)
         stack.append(manager)
         return manager.__enter__()
 

@@ -23,7 +23,7 @@ from cgstore.core import migrate
 from cgstore.core.db import Database
 from cgstore.core.errors import BlobUnknown, hidden_miss
 from tests.audit.conftest import last_id, rows
-from tests.support.live_store import CONFIGURATIONS, running_store, settings_for, unique_repo
+from tests.support.live_store import CONFIGURATIONS, running_store, session_servers, settings_for, unique_repo
 
 DATA = b"audited bytes"
 DIGEST = "blake3:" + blake3.blake3(DATA).hexdigest()
@@ -36,11 +36,9 @@ def start_store(request, tmp_path_factory):
 
     @contextlib.contextmanager
     def start(configuration: str, **overrides):
-        servers = configuration == "production"
-        pg = request.getfixturevalue("pg_url") if servers else None
-        s3 = request.getfixturevalue("s3_server") if servers else None
         home = tmp_path_factory.mktemp(f"audit-{configuration}")
-        with running_store(settings_for(configuration, home, pg_url=pg, s3=s3, **overrides), configuration) as live:
+        servers = session_servers(request, configuration)
+        with running_store(settings_for(configuration, home, **servers, **overrides), configuration) as live:
             yield live
 
     return start

@@ -72,8 +72,9 @@ def test_client_killed_mid_upload_leaves_nothing(store):
 
 
 @pytest.mark.parametrize("configuration", ["embedded", "production"])
-def test_abandoned_session_expires_and_its_bytes_are_reclaimed(make_store, configuration):
-    live = make_store(configuration, upload_session_ttl_s=1, reaper_interval_s=0.2, s3_part_bytes=5 * 1024 * 1024)
+def test_abandoned_session_expires_and_its_bytes_are_reclaimed(make_registry, configuration):
+    # A registry of its own: the reaper sweeps the whole bucket, and this test looks at all of it.
+    live = make_registry(configuration, upload_session_ttl_s=1, reaper_interval_s=0.2, s3_part_bytes=5 * 1024 * 1024)
     name = unique_repo()
     token = live.mint("alice", f"acme/{name}:read,write")
     # A write whose process died mid-upload: no session row, only bytes in storage.

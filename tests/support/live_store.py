@@ -88,9 +88,23 @@ def running_store(settings: Settings, configuration: str) -> Iterator[LiveStore]
         thread.join(15)
 
 
+def session_servers(request, configuration: str) -> dict:
+    """``settings_for``'s servers for a store on the session database: the database and its bucket."""
+    if configuration != "production":
+        return {"pg_url": None, "s3": None}
+    return {"pg_url": request.getfixturevalue("pg_url"), "s3": request.getfixturevalue("s3_server"),
+            "bucket": request.getfixturevalue("session_bucket")}
+
+
 def settings_for(
-    configuration: str, home: Path, *, pg_url: str | None, s3: S3Server | None, **overrides
+    configuration: str, home: Path, *, pg_url: str | None, s3: S3Server | None, bucket: str | None = None,
+    **overrides,
 ) -> Settings:
+    """A test store's settings; in production, ``bucket`` (else a new one) on ``s3``.
+
+    A database and a bucket go together: a store that shares a database must share
+    its bucket too, or the blob rows it meets name bytes its bucket lacks.
+    """
     # The reaper runs only when a test asks for it: moto dates every multipart upload
     # in 2010, so a sweep would take a concurrent test's in-flight upload for an orphan.
     overrides.setdefault("reaper_interval_s", 3600)
@@ -101,5 +115,5 @@ def settings_for(
     if configuration == "embedded":
         return Settings(home=home, **overrides)
     use_test_aws_credentials()
-    bucket = s3.create_bucket()
+    bucket = bucket or s3.create_bucket()
     return Settings(home=home, database_url=pg_url, storage_url=s3.storage_url(bucket), **overrides)
