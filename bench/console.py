@@ -1,0 +1,167 @@
+"""Admin console page latency at 100 k live records and 1 M audit entries, on both configurations.
+
+    python bench/console.py                                   # both configurations, full scale (~10 min)
+    CGSTORE_BENCH_CONSOLE_SCALE=0.05 python bench/console.py  # 5 k records, 50 k audit entries (~1 min)
+    python bench/console.py --configs production --rounds 20
+
+For each configuration (``embedded``: the store alone, SQLite + the blob
+directory; ``production``: PostgreSQL + moto_server) it starts the store as a
+separate process (``_common.py``), seeds its database in bulk
+(``_console_seed.py``: live records over 20 repos, 8 families, 4 sms, 3 lanes,
+30 publishers; a chained audit log of mixed actions, outcomes, actors and
+aggregated 401 rows), signs in to the console with an admin token (``POST
+/console/login``, ``*/*:admin``) and then, ``--rounds`` times, asks for every
+page once in turn over one keep-alive connection: the overview, records
+(unfiltered, by family, by repo, a later keyset page), one record, the audit log
+(unfiltered, by action prefix, by actor, a later page), tokens and storage.
+The baseline is ``GET /healthz`` on the same store, asked in the same rounds.
+
+The store's whole-registry aggregates (overview, storage) are kept for
+``CGSTORE_CONSOLE_AGGREGATES_S``; the run sets it to ``--aggregates-s`` (5 s)
+so they expire several times while it measures and the recomputations show in
+the percentiles.
+
+Details (a table per configuration) go to earlier lines; the last line is
+``{"worst_p95_ms", "worst_page", "budget_ratio", ...}``: the slowest page's p95
+over both configurations and its ratio to the 100 ms budget (≤ 1 meets it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import time
+from html import unescape
+
+import httpx
+
+from _common import embedded_stack, emit_result, log, production_stack
+from _console_seed import fake_key, record_repo, seed
+
+BUDGET_MS = 100.0
+FULL_RECORDS = 100_000
+FULL_AUDIT = 1_000_000
+#: Pages followed by ``rel="next"`` to reach "a later page".
+LATER = 10
+_NEXT = re.compile(r'<a rel="next" href="([^"]+)"')
+
+
+def parse_args() -> argparse.Namespace:
+    scale = float(os.environ.get("CGSTORE_BENCH_CONSOLE_SCALE", "1"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--records", type=int, default=int(FULL_RECORDS * scale),
+                        help="live records (default 100000 × CGSTORE_BENCH_CONSOLE_SCALE)")
+    parser.add_argument("--audit", type=int, default=int(FULL_AUDIT * scale),
+                        help="audit entries (default 1000000 × CGSTORE_BENCH_CONSOLE_SCALE)")
+    parser.add_argument("--rounds", type=int, default=60, help="measured requests of each page (default 60)")
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured rounds first (default 3)")
+    parser.add_argument("--aggregates-s", type=float, default=5.0,
+                        help="CGSTORE_CONSOLE_AGGREGATES_S of the measured store (default 5)")
+    parser.add_argument("--configs", default="embedded,production", help="comma-separated (default both)")
+    return parser.parse_args()
+
+
+def sign_in(client: httpx.Client, token: str) -> None:
+    answer = client.post("/console/login", data={"token": token})
+    if answer.status_code != 303 or "cgstore_console" not in client.cookies:
+        raise SystemExit(f"console sign-in failed: {answer.status_code} {answer.text[:200]}")
+
+
+def later_page(client: httpx.Client, path: str) -> str:
+    """The URL ``LATER`` pages on from ``path``, by its ``rel="next"`` links."""
+    for _ in range(LATER):
+        answer = client.get(path)
+        found = _NEXT.search(answer.text)
+        if answer.status_code != 200 or found is None:
+            raise SystemExit(f"no next page after {path}: {answer.status_code}")
+        path = unescape(found.group(1))
+    return path
+
+
+def pages(client: httpx.Client, records: int) -> dict[str, str]:
+    middle = records // 2
+    owner, name = record_repo(middle)
+    return {
+        "overview": "/console",
+        "records": "/console/records",
+        "records ?family": "/console/records?family=sdxl",
+        "records ?repo": f"/console/records?repo={owner}/{name}",
+        f"records, page {LATER + 1}": later_page(client, "/console/records"),
+        "record": f"/console/records/{owner}/{name}/{fake_key(middle)}",
+        "audit": "/console/audit",
+        "audit ?action=token.*": "/console/audit?action=token.*",
+        "audit ?actor": "/console/audit?actor=user-17",
+        f"audit, page {LATER + 1}": later_page(client, "/console/audit"),
+        "tokens": "/console/tokens",
+        "storage": "/console/storage",
+    }
+
+
+def measure(client: httpx.Client, paths: dict[str, str], rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Every page once per round, in turn; milliseconds per page (``healthz`` the baseline)."""
+    every = {"healthz (baseline)": "/healthz", **paths}
+    times: dict[str, list[float]] = {name: [] for name in every}
+    for round_ in range(warmup + rounds):
+        for name, path in every.items():
+            started = time.perf_counter()
+            answer = client.get(path)
+            elapsed = (time.perf_counter() - started) * 1000
+            if answer.status_code != 200:
+                raise SystemExit(f"{name} ({path}) answered {answer.status_code}: {answer.text[:300]}")
+            if round_ >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def run(config: str, args: argparse.Namespace) -> dict[str, tuple[float, float, float]]:
+    """{page: (p50, p95, max)} for one configuration."""
+    start = embedded_stack if config == "embedded" else production_stack
+    settings = {"console_aggregates_s": args.aggregates_s, "reaper_interval_s": 3600}
+    with start(**settings) as stack:
+        database_url = (getattr(stack, "database_url", None)
+                        or f"sqlite:///{(stack.home / 'cgstore.sqlite3').absolute()}")
+        log(f"== {config}: {args.records} records, {args.audit} audit entries")
+        seed(database_url, args.records, args.audit, log=log)
+        token = stack.mint("bench-admin", "*/*:admin")
+        with httpx.Client(base_url=stack.base_url, timeout=60) as client:
+            sign_in(client, token)
+            paths = pages(client, args.records)
+            started = time.perf_counter()
+            times = measure(client, paths, args.rounds, args.warmup)
+            log(f"  measured {args.rounds} rounds in {time.perf_counter() - started:.1f} s")
+    figures = {name: (statistics.median(v), percentile(v, 0.95), max(v)) for name, v in times.items()}
+    log(f"  {'page':<24} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8}")
+    for name, (p50, p95, most) in figures.items():
+        log(f"  {name:<24} {p50:8.1f} {p95:8.1f} {most:8.1f}")
+    return figures
+
+
+def main() -> None:
+    args = parse_args()
+    result: dict[str, object] = {}
+    worst = ("", "", 0.0)
+    for config in args.configs.split(","):
+        figures = run(config, args)
+        baseline = figures.pop("healthz (baseline)")
+        page, (_, p95, _) = max(figures.items(), key=lambda item: item[1][1])
+        result[f"{config}_worst_p95_ms"] = round(p95, 1)
+        result[f"{config}_worst_page"] = page
+        result[f"{config}_baseline_p50_ms"] = round(baseline[0], 2)
+        if p95 >= worst[2]:
+            worst = (config, page, p95)
+    emit_result({
+        "worst_p95_ms": round(worst[2], 1), "worst_page": f"{worst[0]}: {worst[1]}",
+        "budget_ratio": round(worst[2] / BUDGET_MS, 3), **result,
+        "records": args.records, "audit_entries": args.audit, "rounds": args.rounds,
+    })
+
+
+if __name__ == "__main__":
+    main()
