@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import json
 import os
 from http import HTTPStatus
@@ -140,6 +141,19 @@ def limit_malloc_arenas(arenas: int) -> bool:
         return False
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     return mallopt is not None and mallopt(_M_ARENA_MAX, arenas) == 1
+
+
+def freeze_startup_heap() -> None:
+    """Exempt every object alive once the app has started from the garbage collector's full collections.
+
+    Modules, the ORM's mappers, compiled templates, pydantic's validators and
+    the app itself are hundreds of thousands of objects that live as long as
+    the process; each full (generation 2) collection walked them all, a pause
+    of tens of milliseconds in whichever request triggered it. Frozen, they are
+    never walked again; objects made later are collected as before.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def server_options(settings: Settings) -> dict[str, Any]:
