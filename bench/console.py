@@ -1,6 +1,6 @@
 """Admin console page latency at 100 k live records and 1 M audit entries, on both configurations.
 
-    python bench/console.py                                   # both configurations, full scale (~11 min)
+    python bench/console.py                                   # both configurations, full scale (~12 min)
     CGSTORE_BENCH_CONSOLE_SCALE=0.05 python bench/console.py  # 5 k records, 50 k audit entries (~1.5 min)
     python bench/console.py --configs production --rounds 20
 
@@ -18,10 +18,10 @@ The baseline is ``GET /healthz`` on the same store, asked in the same rounds.
 
 The store's whole-registry aggregates (overview, storage) are kept for
 ``CGSTORE_CONSOLE_AGGREGATES_S`` (``--aggregates-s``, default the deployment's
-30 s); 120 rounds take longer than that, so they expire and are recomputed
-(in the background) while the pages are measured, and the recomputation's
-work shows in the percentiles. ``--aggregates-s 5`` recomputes them almost
-all the time.
+30 s); 300 rounds take a minute or more, so they expire and are recomputed
+(in the background) at least once while the pages are measured, and the
+recomputation's work shows in the percentiles. ``--aggregates-s 5`` recomputes
+them almost all the time.
 
 Details (a table per configuration) go to earlier lines; the last line is
 ``{"worst_p95_ms", "worst_page", "budget_ratio", ...}``: the slowest page's p95
@@ -51,6 +51,7 @@ FULL_AUDIT = 1_000_000
 #: Pages followed by ``rel="next"`` to reach "a later page".
 LATER = 10
 _NEXT = re.compile(r'<a rel="next" href="([^"]+)"')
+_FIGURES_AS_OF = re.compile(r'Figures as of <time datetime="([^"]+)"')
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,7 +61,7 @@ def parse_args() -> argparse.Namespace:
                         help="live records (default 100000 × CGSTORE_BENCH_CONSOLE_SCALE)")
     parser.add_argument("--audit", type=int, default=int(FULL_AUDIT * scale),
                         help="audit entries (default 1000000 × CGSTORE_BENCH_CONSOLE_SCALE)")
-    parser.add_argument("--rounds", type=int, default=120, help="measured requests of each page (default 120)")
+    parser.add_argument("--rounds", type=int, default=300, help="measured requests of each page (default 300)")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured rounds first (default 3)")
     parser.add_argument("--aggregates-s", type=float, default=30.0,
                         help="CGSTORE_CONSOLE_AGGREGATES_S of the measured store (default 30, the deployment default)")
@@ -108,6 +109,7 @@ def measure(client: httpx.Client, paths: dict[str, str], rounds: int, warmup: in
     """Every page once per round, in turn; milliseconds per page (``healthz`` the baseline)."""
     every = {"healthz (baseline)": "/healthz", **paths}
     times: dict[str, list[float]] = {name: [] for name in every}
+    computed: dict[str, set[str]] = {}  # the distinct "Figures as of" times each aggregate page showed
     for round_ in range(warmup + rounds):
         for name, path in every.items():
             started = time.perf_counter()
@@ -117,6 +119,10 @@ def measure(client: httpx.Client, paths: dict[str, str], rounds: int, warmup: in
                 raise SystemExit(f"{name} ({path}) answered {answer.status_code}: {answer.text[:300]}")
             if round_ >= warmup:
                 times[name].append(elapsed)
+                if found := _FIGURES_AS_OF.search(answer.text):
+                    computed.setdefault(name, set()).add(found.group(1))
+    for name, moments in computed.items():
+        log(f"  {name}: figures of {len(moments)} computations shown while measuring")
     return times
 
 
