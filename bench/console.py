@@ -1,6 +1,6 @@
 """Admin console page latency at 100 k live records and 1 M audit entries, on both configurations.
 
-    python bench/console.py                                   # both configurations, full scale (~12 min)
+    python bench/console.py                                   # both configurations, full scale (~6 min)
     CGSTORE_BENCH_CONSOLE_SCALE=0.05 python bench/console.py  # 5 k records, 50 k audit entries (~1.5 min)
     python bench/console.py --configs production --rounds 20
 
