@@ -6,9 +6,10 @@ Create Date: 2026-12-05
 
 The console's overview counts publishes per outcome over the last 24 h and
 7 d (``audit.service.outcome_counts``: one action, ``at`` from a moment on).
-With an index on ``action`` alone the database reads every entry of the
-action ever written and filters by time (about 3.6 s on SQLite at 1 M entries,
-``bench/console.py``); with ``(action, at)`` it reads only the window's. The
+With an index on ``action`` alone SQLite reads every entry of the action ever
+written and filters by time (150 ms per window at 400 k entries); with
+``(action, at)`` it reads only the window's (6 ms for 24 h, 17 ms for 7 d).
+PostgreSQL, which combined the two single-column indexes, is unchanged. The
 action-only index is dropped: the new one serves every lookup it served (an
 exact action, a prefix), being led by the same column.
 

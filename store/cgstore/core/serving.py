@@ -147,13 +147,11 @@ def freeze_startup_heap() -> None:
     """Exempt every object alive once the app has started from the garbage collector's full collections.
 
     Modules, the ORM's mappers, compiled templates, pydantic's validators and
-    the app itself are hundreds of thousands of objects that live as long as
-    the process; each full (generation 2) collection walked them all, a pause
-    of tens of milliseconds in whichever request triggered it. Frozen, they are
-    never walked again; objects made later are collected as before. On a
-    2-core machine this took the slowest console page answers from 100–180 ms
-    (a full collection landing in a request) to the page's usual 20–40 ms
-    (``bench/console.py``); p50 and p95 did not move.
+    the app itself live as long as the process; each full (generation 2)
+    collection walked them all, a pause in whichever request triggered it.
+    Frozen, they are never walked again; objects made later are collected as
+    before. In ``bench/console.py`` (2 cores) the slowest answer of a run went
+    from 126–217 ms to 76–136 ms; p50 and p95 did not move.
     """
     gc.collect()
     gc.freeze()
