@@ -30,6 +30,7 @@ from cgstore.core.http import ERROR_RESPONSES, install_error_handlers, install_r
 from cgstore.core.inputs import refuse_unstorable_parameters
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.core.private import private_dir
+from cgstore.core.serving import freeze_startup_heap, thaw_heap
 from cgstore.health.router import router as health_router
 from cgstore.operations import gc, leases, scrub
 from cgstore.operations import service as operations
@@ -148,6 +149,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The pool every database and storage call runs in (per event loop).
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
         tasks = [*_background_tasks(ctx), asyncio.create_task(ctx.denials.flush_forever())]
+        freeze_startup_heap()
         try:
             yield
         finally:
@@ -159,6 +161,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await run_in_threadpool(operations.release_all, ctx)
             await _flush_denials(ctx)
             ctx.db.dispose()
+            thaw_heap()
 
     # /docs serves Swagger UI 5 (OpenAPI 3.1) from the store itself: GPU clusters are often
     # air-gapped, and FastAPI's default page loads it from a CDN. ReDoc is not served.

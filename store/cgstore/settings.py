@@ -144,7 +144,8 @@ class Settings(BaseSettings):
     console_aggregates_s: float = Field(
         30.0, ge=0, le=3600,
         description="the admin console's overview and storage figures (whole-registry counts and sums) are "
-        "computed at most once per this many seconds per process and shown with their time; 0: on every view",
+        "computed at most once per this many seconds per process and shown with their time (older figures are "
+        "shown while the next are computed in the background); 0: on every view",
     )
     log_level: str = Field("info", description="log level")
 

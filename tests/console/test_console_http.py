@@ -451,15 +451,45 @@ def test_quoting_in_links(console, registry):
     assert f'href="/console/records?family={quote(registry.family)}"' in page.text
 
 
+def _blobs_figure(html: str) -> int:
+    """The storage page's count of blobs."""
+    return int(re.search(r'<tbody><tr>\s*<td class="num">(\d+)</td>', html).group(1))
+
+
+def _figures_time(html: str) -> str:
+    """When the page's whole-registry figures were computed (ISO 8601, to the microsecond)."""
+    return re.search(r'Figures as of <time datetime="([^"]+)"', html).group(1)
+
+
+def test_stale_figures_are_answered_while_recomputed(make_store):
+    """Past ``CGSTORE_CONSOLE_AGGREGATES_S`` a view is answered at once with the previous figures and their
+    time while they are recomputed in the background; a later view shows the new ones, with a later time."""
+    live = make_store("embedded", console_aggregates_s=1)
+    admin = live.mint("console-admin", "*/*:admin")
+    writer = live.mint("writer", "acme/cache:read,write")
+    with sign_in(live, admin) as console:
+        first = console.get("/console/storage").text
+        with live.client(writer) as client:
+            data = uuid.uuid4().bytes * 100
+            digest = "blake3:" + blake3.blake3(data).hexdigest()
+            assert client.put(f"/v1/repos/acme/cache/blobs/{digest}", content=data).status_code == 201
+        time.sleep(1.2)  # the figures are now older than their interval
+        stale = console.get("/console/storage").text
+        assert (_blobs_figure(stale), _figures_time(stale)) == (_blobs_figure(first), _figures_time(first))
+        deadline = time.monotonic() + 30
+        while _blobs_figure(fresh := console.get("/console/storage").text) == _blobs_figure(first):
+            assert time.monotonic() < deadline, "the figures were never recomputed"
+            time.sleep(0.05)
+        assert _blobs_figure(fresh) == _blobs_figure(first) + 1
+        assert _figures_time(fresh) > _figures_time(first)
+
+
 def test_whole_registry_figures_are_reused_for_their_interval(make_store):
     """``CGSTORE_CONSOLE_AGGREGATES_S``: the storage and overview sums are computed once per interval, with
     their time; what is read per page (the records list) stays live."""
     live = make_store("embedded", console_aggregates_s=3600)
     admin = live.mint("console-admin", "*/*:admin")
     writer = live.mint("writer", "acme/cache:read,write")
-
-    def blobs_figure(html: str) -> int:
-        return int(re.search(r'<tbody><tr>\s*<td class="num">(\d+)</td>', html).group(1))
 
     with sign_in(live, admin) as console:
         first = console.get("/console/storage").text
@@ -470,6 +500,6 @@ def test_whole_registry_figures_are_reused_for_their_interval(make_store):
             digest = "blake3:" + blake3.blake3(data).hexdigest()
             assert client.put(f"/v1/repos/acme/cache/blobs/{digest}", content=data).status_code == 201
         again = console.get("/console/storage").text
-        assert blobs_figure(again) == blobs_figure(first)
+        assert _blobs_figure(again) == _blobs_figure(first)
         assert re.findall(r"Figures as of (.*?) UTC", again) == re.findall(r"Figures as of (.*?) UTC", first)
         assert console.get("/console").text.split("Figures as of")[1][:40] == overview.split("Figures as of")[1][:40]

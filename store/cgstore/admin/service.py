@@ -162,8 +162,13 @@ def records_page(
         if value is not None:
             query = query.where(column == value)
     if where.repo is not None:
+        # The repo's id first, then its records by it: the planner walks the repo's
+        # (repo_id, id) index instead of every record joined to repos.
         owner, _, name = where.repo.partition("/")
-        query = query.where(Repo.owner == owner, Repo.name == name)
+        repo_id = session.scalar(select(Repo.id).where(Repo.owner == owner, Repo.name == name))
+        if repo_id is None:
+            return [], None
+        query = query.where(CompiledGraph.repo_id == repo_id)
     if where.health is not None:
         if where.health not in HEALTH_STATES:
             raise BadRequest(f"health must be one of {', '.join(HEALTH_STATES)}", health=where.health[:32])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import JSON, BigInteger, Integer, String, Text, text
+from sqlalchemy import JSON, BigInteger, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from cgstore.core.db import Base, UTCDateTime, utcnow
@@ -53,12 +53,14 @@ class AuditEvent(Base):
     """
 
     __tablename__ = "audit_events"
+    # Led by action: an exact action or a prefix, and (the overview's windows) an action since a moment.
+    __table_args__ = (Index("ix_audit_events_action_at", "action", "at"),)
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True)
     at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False, index=True)
     actor: Mapped[str] = mapped_column(String(ACTOR_LEN), nullable=False, index=True)
     jti: Mapped[str | None] = mapped_column(String(JTI_LEN), nullable=True, index=True)
-    action: Mapped[str] = mapped_column(String(ACTION_LEN), nullable=False, index=True)
+    action: Mapped[str] = mapped_column(String(ACTION_LEN), nullable=False)
     target: Mapped[str] = mapped_column(String(TARGET_LEN), nullable=False, index=True)
     repo: Mapped[str | None] = mapped_column(String(REPO_LEN), nullable=True, index=True)
     outcome: Mapped[str] = mapped_column(String(OUTCOME_LEN), nullable=False, index=True)

@@ -20,14 +20,16 @@ The overview's and the storage page's figures are whole-registry aggregates
 (GROUP BY and SUM over every live record, blob and week of audit entries): at
 100 k records they take a few hundred milliseconds however the database runs
 them. So ``Aggregates`` computes each at most once per
-``CGSTORE_CONSOLE_AGGREGATES_S`` per process (one computation at a time; the
-others wait for it) and the page says when they were computed. Every other
+``CGSTORE_CONSOLE_AGGREGATES_S`` per process, in the background once there are
+figures to show meanwhile (older ones, with their time), and the page says
+when they were computed. Every other
 page reads live, bounded by its page size.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -69,25 +71,61 @@ WINDOWS = (("24 h", dt.timedelta(hours=24)), ("7 d", dt.timedelta(days=7)))
 _RECORDS_SCOPE = "console-records"
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Aggregates(Generic[T]):
-    """One set of figures, computed at most once per ``max_age_s`` (0: every time), one computation at a time."""
+    """One set of figures per store context, recomputed at most once per ``max_age_s`` (0: on every call).
+
+    Figures older than ``max_age_s`` are still answered, with their time, while
+    one background thread computes the next (stale-while-recompute): no view waits
+    for a whole-registry aggregate except the first, and a burst of first views
+    computes once. A recomputation that fails leaves the previous figures (and
+    the next stale view tries again).
+    """
 
     def __init__(self, compute: Callable[[StoreContext], T]) -> None:
         self._compute = compute
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the two dicts below, never held while computing
+        self._first = threading.Lock()  # held while computing a context's first figures
         self._cached: dict[int, tuple[float, T]] = {}  # per store context (a process may serve several)
+        self._refreshing: set[int] = set()
 
     def get(self, ctx: StoreContext) -> T:
         max_age_s = ctx.settings.console_aggregates_s
-        with self._lock:  # held while computing: a burst of views computes once
-            cached = self._cached.get(id(ctx))
-            if cached is not None and time.monotonic() - cached[0] < max_age_s:
-                return cached[1]
+        if max_age_s <= 0:
+            return self._compute(ctx)
+        if (cached := self._cached_or_refresh(ctx, max_age_s)) is not None:
+            return cached
+        with self._first:
+            if (cached := self._cached_or_refresh(ctx, max_age_s)) is not None:
+                return cached  # computed by the view this one waited for
             value = self._compute(ctx)
-            self._cached[id(ctx)] = (time.monotonic(), value)
+            with self._lock:
+                self._cached[id(ctx)] = (time.monotonic(), value)
             return value
+
+    def _cached_or_refresh(self, ctx: StoreContext, max_age_s: float) -> T | None:
+        """The cached figures, however old (starting their recomputation if too old); None if there are none."""
+        with self._lock:
+            cached = self._cached.get(id(ctx))
+            if cached is None:
+                return None
+            if time.monotonic() - cached[0] >= max_age_s and id(ctx) not in self._refreshing:
+                self._refreshing.add(id(ctx))
+                threading.Thread(target=self._refresh, args=(ctx,), name="console-aggregates", daemon=True).start()
+            return cached[1]
+
+    def _refresh(self, ctx: StoreContext) -> None:
+        try:
+            value = self._compute(ctx)
+            with self._lock:
+                self._cached[id(ctx)] = (time.monotonic(), value)
+        except Exception:  # the previous figures stay; the next stale view tries again
+            log.exception("recomputing the console's aggregates failed")
+        finally:
+            with self._lock:
+                self._refreshing.discard(id(ctx))
 
 
 def page_limit(limit: str | None, bound: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import json
 import os
 from http import HTTPStatus
@@ -140,6 +141,29 @@ def limit_malloc_arenas(arenas: int) -> bool:
         return False
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     return mallopt is not None and mallopt(_M_ARENA_MAX, arenas) == 1
+
+
+def freeze_startup_heap() -> None:
+    """Exempt every object alive once the app has started from the garbage collector's full collections.
+
+    Modules, the ORM's mappers, compiled templates, pydantic's validators and
+    the app itself live as long as the process; each full (generation 2)
+    collection walked them all, a pause in whichever request triggered it.
+    Frozen, they are never walked again; objects made later are collected as
+    before. In ``bench/console.py`` (2 cores) the slowest answer of a run went
+    from 126–217 ms to 76–136 ms; p50 and p95 did not move.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo ``freeze_startup_heap`` when the app stops, so what it froze can be collected again.
+
+    A process that starts and stops several apps (the tests) would otherwise
+    keep every stopped app's cyclic garbage for good.
+    """
+    gc.unfreeze()
 
 
 def server_options(settings: Settings) -> dict[str, Any]:
