@@ -20,6 +20,7 @@ from pathlib import Path
 import blake3
 import jwt
 import pytest
+import sqlalchemy.exc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import delete, select, text, update
 from typer.testing import CliRunner
@@ -72,8 +73,9 @@ class Log:
             if conn.dialect.name == "postgresql":
                 conn.execute(text("SET LOCAL session_replication_role = replica"))
             else:
-                conn.execute(text("DROP TRIGGER IF EXISTS audit_events_no_update"))
-                conn.execute(text("DROP TRIGGER IF EXISTS audit_events_no_delete"))
+                for trigger in ("audit_events_no_update", "audit_events_no_delete", "audit_checkpoints_no_update",
+                                "audit_checkpoints_no_delete", "audit_head_no_delete"):
+                    conn.execute(text(f"DROP TRIGGER IF EXISTS {trigger}"))
             yield conn
 
 
@@ -181,10 +183,10 @@ def test_a_rewritten_chain_is_caught_by_the_signed_checkpoint(log):
 def test_a_forged_checkpoint_signature_is_named(log):
     ids = log.write(3)
     _checkpoint(log)
-    with log.db.session() as session:
-        row = session.get(AuditCheckpoint, ids[-1])
-        header, claims, signature = row.statement.split(".")
-        row.statement = f"{header}.{claims}.{signature[:-4]}AAAA"
+    with log.untriggered() as conn:
+        where = AuditCheckpoint.audit_id == ids[-1]
+        header, claims, signature = conn.scalar(select(AuditCheckpoint.statement).where(where)).split(".")
+        conn.execute(update(AuditCheckpoint).where(where).values(statement=f"{header}.{claims}.{signature[:-4]}AAAA"))
     _verify_fails(log, ids[-1], "checkpoint signature bad")
 
 
@@ -282,11 +284,11 @@ def test_a_key_planted_in_the_ring_signs_nothing_for_a_pinned_jwks(log, tmp_path
         claims = {"iss": "cgstore", "aud": chain.CHECKPOINT_AUDIENCE, "iat": 0, "audit_id": ids[-1], "digest": forged}
         statement = jwt.encode(claims, planted, algorithm="EdDSA",
                                headers={"kid": key_id(planted.public_key()), "typ": chain.CHECKPOINT_TYP})
-        session.execute(update(AuditCheckpoint).where(AuditCheckpoint.audit_id == ids[-1])
-                        .values(digest=forged, statement=statement, kid=key_id(planted.public_key())))
         session.execute(text("UPDATE audit_head SET digest = :digest"), {"digest": forged})
     with log.untriggered() as conn:
         conn.execute(update(AuditEvent).where(AuditEvent.id == ids[-1]).values(digest=forged))
+        conn.execute(update(AuditCheckpoint).where(AuditCheckpoint.audit_id == ids[-1])
+                     .values(digest=forged, statement=statement, kid=key_id(planted.public_key())))
     assert log.cli("verify").exit_code == 0  # the table vouches for the planted key (see docs/security.md)
     result = log.cli("verify", "--keys", str(tmp_path / "jwks.json"))
     assert result.exit_code == 1
@@ -297,3 +299,21 @@ def test_keys_must_be_a_jwks(log, tmp_path):
     (tmp_path / "not.json").write_text("[1, 2]")
     result = log.cli("verify", "--keys", str(tmp_path / "not.json"))
     assert result.exit_code == 2 and "not a JWKS" in result.output
+
+
+def test_the_database_refuses_to_change_a_checkpoint_or_delete_the_head(log):
+    """Checkpoints are append-only and the head row stays (revision 0014): hiding an edit behind a removed
+    checkpoint needs the triggers out of the way first, as editing an entry does."""
+    log.write(3)
+    _checkpoint(log)
+    statements = ["UPDATE audit_checkpoints SET digest = 'x'", "DELETE FROM audit_checkpoints", "DELETE FROM audit_head"]
+    if log.db.engine.dialect.name == "postgresql":
+        statements += ["TRUNCATE audit_checkpoints", "TRUNCATE audit_head"]
+    for statement in statements:
+        with pytest.raises(sqlalchemy.exc.DBAPIError, match="append-only"):
+            with log.db.engine.begin() as conn:
+                conn.execute(text(statement))
+    assert log.cli("verify").exit_code == 0
+    log.write(1)  # the head still moves: appends update it
+    _checkpoint(log)
+    assert log.cli("verify").exit_code == 0
