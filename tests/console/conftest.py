@@ -93,6 +93,16 @@ class Registry:
             assert publish(client, *self.repo.split("/"), pub).status_code == 201
         return pub
 
+    def yank_another_with_a_hostile_reason(self, store, admin: str) -> Publication:
+        """:meth:`publish_another`, then yanked by ``admin`` with :data:`HOSTILE_REASON`."""
+        target = self.publish_another(store)
+        owner, name = self.repo.split("/")
+        with store.client(admin) as client:
+            yanked = client.post(f"/v1/repos/{owner}/{name}/compiled-graphs/{target.key}:yank",
+                                 json={"reason": HOSTILE_REASON, "publisher": HOSTILE})
+        assert yanked.status_code == 200, yanked.text
+        return target
+
 
 @pytest.fixture(scope="module")
 def registry(store, pt2_archive) -> Registry:

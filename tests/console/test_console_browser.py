@@ -314,12 +314,7 @@ def test_the_tokens_and_storage_pages(tab, admin, registry):
 
 
 def test_hostile_strings_render_as_text(tab, store, admin, registry):
-    target = registry.publish_another(store)
-    with store.client(admin) as client:
-        owner, name = registry.repo.split("/")
-        yanked = client.post(f"/v1/repos/{owner}/{name}/compiled-graphs/{target.key}:yank",
-                             json={"reason": HOSTILE_REASON, "publisher": HOSTILE})
-        assert yanked.status_code == 200, yanked.text
+    target = registry.yank_another_with_a_hostile_reason(store, admin)
     assert tab.sign_in(store.mint(HOSTILE, "*/*:admin")) == 200
     assert tab.page.locator("header.top .who").inner_text() == HOSTILE
 

@@ -374,12 +374,7 @@ def test_the_audit_page_shows_aggregated_401s_with_their_count(store, console):
 
 
 def test_hostile_strings_render_as_text(store, console, registry, admin):
-    target = registry.publish_another(store)
-    with store.client(admin) as client:
-        owner, name = registry.repo.split("/")
-        yanked = client.post(f"/v1/repos/{owner}/{name}/compiled-graphs/{target.key}:yank",
-                             json={"reason": HOSTILE_REASON, "publisher": HOSTILE})
-        assert yanked.status_code == 200, yanked.text
+    target = registry.yank_another_with_a_hostile_reason(store, admin)
     pages = [
         console.get("/console/records", params={"family": registry.family}),
         console.get("/console/records", params={"publisher": HOSTILE, "repo": registry.repo}),
