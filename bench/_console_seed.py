@@ -133,11 +133,18 @@ def _record(n: int, repo_id: int, family: str, at: dt.datetime) -> dict:
     }
 
 
+#: One entry in this many is a ``key.rotate`` (10 in the full 1 M).
+RARE_EVERY = 100_000
+
+
 def _audit_fields(rng: random.Random, n: int, records: int) -> dict:
     """One entry's columns (``at`` and the chain columns are set by the caller)."""
     actor = ACTORS[rng.randrange(len(ACTORS))]
     jti = f"{rng.getrandbits(128):032x}"
     roll = rng.random()
+    if n % RARE_EVERY == RARE_EVERY - 1:  # a key rotation now and then: an action prefix few entries have
+        return {"actor": "platform", "jti": None, "action": "key.rotate", "target": f"kid-{n}", "repo": None,
+                "outcome": "ok", "source": None, "count": 1, "detail": {}}
     if roll < 0.45 and records:
         rec = rng.randrange(records)
         owner, name = record_repo(rec)

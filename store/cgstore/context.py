@@ -22,7 +22,7 @@ from cgstore.storage import Storage
 from cgstore.tokens.service import TokenService
 
 
-@dataclass
+@dataclass(eq=False)  # one per app, compared and hashed by identity (``console.service.Aggregates``)
 class StoreContext:
     settings: Settings
     db: Database

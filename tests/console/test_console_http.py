@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from types import SimpleNamespace
 from urllib.parse import quote
 
 import blake3
@@ -16,6 +17,7 @@ from cgstore.audit.models import AuditEvent
 from cgstore.blobs.models import BLOB_MISSING, BLOB_OK
 from cgstore.console import charts
 from cgstore.console.router import COOKIE, CSP
+from cgstore.console.service import Aggregates
 from cgstore.operations.health import set_blob_health
 from tests.audit.conftest import rows
 from tests.console.conftest import HOSTILE, HOSTILE_REASON, h1, next_link, sign_in
@@ -477,6 +479,22 @@ def test_stale_figures_are_answered_while_recomputed(make_store):
             time.sleep(0.05)
         assert _blobs_figure(fresh) == _blobs_figure(first) + 1
         assert _figures_time(fresh) > _figures_time(first)
+
+
+def test_figures_belong_to_their_store_context_and_go_with_it():
+    """A context made after another is gone (CPython often gives it the freed one's ``id()``) computes
+    its own figures, and no figures outlive their context."""
+
+    class Context:
+        def __init__(self, n: int) -> None:
+            self.n, self.settings = n, SimpleNamespace(console_aggregates_s=3600)
+
+    aggregates = Aggregates(lambda ctx: ctx.n)
+    for n in range(20):
+        context = Context(n)
+        assert aggregates.get(context) == aggregates.get(context) == n
+        del context
+    assert len(aggregates._cached) == 0
 
 
 def test_whole_registry_figures_are_reused_for_their_interval(make_store):

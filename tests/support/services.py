@@ -76,15 +76,15 @@ def ensure_postgres() -> None:
 
 
 @contextlib.contextmanager
-def postgres_database(prefix: str = "cgstore_test") -> Iterator[str]:
-    """Create a fresh database, yield its SQLAlchemy URL, drop it (only it) afterwards."""
+def postgres_database(prefix: str = "cgstore_test", options: str = "") -> Iterator[str]:
+    """Create a fresh database (``CREATE DATABASE … options``), yield its SQLAlchemy URL, drop it (only it) afterwards."""
     from sqlalchemy import create_engine, text
 
     ensure_postgres()
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
+        conn.execute(text(f'CREATE DATABASE "{name}" {options}'))
     try:
         yield PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
     finally:

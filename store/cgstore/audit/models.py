@@ -53,14 +53,22 @@ class AuditEvent(Base):
     """
 
     __tablename__ = "audit_events"
-    # Led by action: an exact action or a prefix, and (the overview's windows) an action since a moment.
-    __table_args__ = (Index("ix_audit_events_action_at", "action", "at"),)
+    # Led by action: (action, at) serves an action since a moment (the overview's windows);
+    # (action, id) a page of one action by id, and the skip scan that lists a prefix's actions.
+    __table_args__ = (
+        Index("ix_audit_events_action_at", "action", "at"),
+        Index("ix_audit_events_action_id", "action", "id"),
+    )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True)
     at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False, index=True)
     actor: Mapped[str] = mapped_column(String(ACTOR_LEN), nullable=False, index=True)
     jti: Mapped[str | None] = mapped_column(String(JTI_LEN), nullable=True, index=True)
-    action: Mapped[str] = mapped_column(String(ACTION_LEN), nullable=False)
+    # Compared by code point on both dialects (SQLite's BINARY; "C" on PostgreSQL, whose default
+    # collation may order punctuation otherwise), so the actions sharing a prefix are contiguous.
+    action: Mapped[str] = mapped_column(
+        String(ACTION_LEN).with_variant(String(ACTION_LEN, collation="C"), "postgresql"), nullable=False
+    )
     target: Mapped[str] = mapped_column(String(TARGET_LEN), nullable=False, index=True)
     repo: Mapped[str | None] = mapped_column(String(REPO_LEN), nullable=True, index=True)
     outcome: Mapped[str] = mapped_column(String(OUTCOME_LEN), nullable=False, index=True)

@@ -13,7 +13,8 @@ bound with a marker. PostgreSQL refuses NUL in text and surrogates in UTF-8,
 so without this a hostile path would make the insert fail and the denial
 would go unrecorded.
 
-Reading: ``list_events`` filters on the indexed columns and pages by id (keyset).
+Reading: ``list_events`` filters on the indexed columns and pages by id (keyset);
+an action prefix is read action by action, so a rare one costs no more than a common one.
 There is deliberately no update or delete here (the migration adds triggers
 that refuse them too), and every entry is chained to the one before it
 (``audit.chain``), so a change made with the triggers disabled is detectable.
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry, AuditPage
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select, union_all
 from sqlalchemy.orm import Session
 
 from cgstore.access import is_admin
@@ -58,6 +59,8 @@ DETAIL_STRING_LEN = 512
 DETAIL_KEY_LEN = 200
 DETAIL_ITEMS = 32
 DETAIL_DEPTH = 4
+# An action prefix naming more distinct actions than this is matched entry by entry instead.
+MAX_PREFIX_ACTIONS = 64
 DETAIL_JSON_BYTES = 8 * 1024
 
 DEFAULT_PAGE = 100
@@ -209,10 +212,28 @@ def list_events(
     """One page of entries ordered by id, after the keyset cursor ``after``; and the next cursor.
 
     The next cursor is the last id of the page when the page is full (there may
-    be more), else ``None``.
+    be more), else ``None``. An action prefix is answered action by action
+    (``_page_by_action``), so its cost does not grow with the log.
     """
     limit = max(1, min(limit, MAX_AUDIT_PAGE))
-    query = select(AuditEvent)
+    conditions = _conditions(where)
+    if after is not None:
+        conditions.append(AuditEvent.id < after if newest_first else AuditEvent.id > after)
+    order = AuditEvent.id.desc() if newest_first else AuditEvent.id
+    prefix = _action_prefix(where)
+    actions = None if prefix is None else _actions_starting(session, prefix)
+    if actions is None:
+        if prefix is not None:  # more distinct actions than are worth visiting one by one
+            conditions.append(AuditEvent.action.startswith(prefix, autoescape=True))
+        events = session.scalars(select(AuditEvent).where(*conditions).order_by(order).limit(limit)).all()
+    else:
+        events = _page_by_action(session, actions, conditions, order, limit, newest_first)
+    return events, (events[-1].id if len(events) == limit else None)
+
+
+def _conditions(where: AuditFilter) -> list[ColumnElement[bool]]:
+    """Every filter but an action prefix, as SQL conditions on the stored (cleaned) values."""
+    conditions: list[ColumnElement[bool]] = []
     for column, value, bound in (
         (AuditEvent.actor, where.actor, ACTOR_LEN),
         (AuditEvent.jti, where.jti, JTI_LEN),
@@ -221,24 +242,68 @@ def list_events(
         (AuditEvent.source, where.source, SOURCE_LEN),
     ):
         if value is not None:
-            query = query.where(column == clean(value, bound))
-    for column, value, bound in (
-        (AuditEvent.action, where.action, ACTION_LEN),
-        (AuditEvent.target, where.target, TARGET_LEN),
-    ):
-        if value is not None and value.endswith("*"):
-            query = query.where(column.startswith(clean(value[:-1], bound), autoescape=True))
-        elif value is not None:
-            query = query.where(column == clean(value, bound))
+            conditions.append(column == clean(value, bound))
+    if where.action is not None and not where.action.endswith("*"):
+        conditions.append(AuditEvent.action == clean(where.action, ACTION_LEN))
+    if where.target is not None and where.target.endswith("*"):
+        conditions.append(AuditEvent.target.startswith(clean(where.target[:-1], TARGET_LEN), autoescape=True))
+    elif where.target is not None:
+        conditions.append(AuditEvent.target == clean(where.target, TARGET_LEN))
     if where.since is not None:
-        query = query.where(AuditEvent.at >= where.since)
+        conditions.append(AuditEvent.at >= where.since)
     if where.until is not None:
-        query = query.where(AuditEvent.at < where.until)
-    if after is not None:
-        query = query.where(AuditEvent.id < after if newest_first else AuditEvent.id > after)
-    query = query.order_by(AuditEvent.id.desc() if newest_first else AuditEvent.id).limit(limit)
-    events = session.scalars(query).all()
-    return events, (events[-1].id if len(events) == limit else None)
+        conditions.append(AuditEvent.at < where.until)
+    return conditions
+
+
+def _action_prefix(where: AuditFilter) -> str | None:
+    """The stored form of an action prefix (``token.*`` → ``token.``); ``None`` when there is none."""
+    if where.action is None or not where.action.endswith("*"):
+        return None
+    return clean(where.action[:-1], ACTION_LEN)
+
+
+def _actions_starting(session: Session, prefix: str) -> list[str] | None:
+    """The distinct actions the log holds that start with ``prefix``, or ``None`` past ``MAX_PREFIX_ACTIONS``.
+
+    A skip scan: each is one seek along the action index, to the first action
+    after the last one found. Actions starting with a prefix are contiguous in
+    that index because the column compares by code point (SQLite's BINARY, the
+    "C" collation on PostgreSQL: migration 0015).
+    """
+    first = select(AuditEvent.action).order_by(AuditEvent.action).limit(1)
+    found: list[str] = []
+    action = session.scalar(first.where(AuditEvent.action >= prefix))
+    while action is not None and action.startswith(prefix):
+        if len(found) == MAX_PREFIX_ACTIONS:
+            return None
+        found.append(action)
+        action = session.scalar(first.where(AuditEvent.action > action))
+    return found
+
+
+def _page_by_action(
+    session: Session,
+    actions: Sequence[str],
+    conditions: Sequence[ColumnElement[bool]],
+    order: ColumnElement[Any],
+    limit: int,
+    newest_first: bool,
+) -> Sequence[AuditEvent]:
+    """The page among ``actions``: each action's first ``limit`` ids from the ``(action, id)`` index, merged.
+
+    Walking the log by id and testing each entry would read all of it for a
+    prefix that only rare entries have; a page per action reads at most
+    ``limit`` index entries per action, however long the log.
+    """
+    if not actions:
+        return []
+    parts = [
+        select(AuditEvent.id).where(AuditEvent.action == action, *conditions).order_by(order).limit(limit).subquery()
+        for action in actions
+    ]
+    ids = sorted(session.scalars(union_all(*(select(part.c.id) for part in parts))), reverse=newest_first)[:limit]
+    return session.scalars(select(AuditEvent).where(AuditEvent.id.in_(ids)).order_by(order)).all() if ids else []
 
 
 def outcome_counts(session: Session, action: str, since: dt.datetime) -> dict[str, int]:

@@ -32,6 +32,7 @@ import datetime as dt
 import logging
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,8 +89,10 @@ class Aggregates(Generic[T]):
         self._compute = compute
         self._lock = threading.Lock()  # guards the two dicts below, never held while computing
         self._first = threading.Lock()  # held while computing a context's first figures
-        self._cached: dict[int, tuple[float, T]] = {}  # per store context (a process may serve several)
-        self._refreshing: set[int] = set()
+        # Per store context (a process may serve several), held weakly: a context's figures go with it,
+        # and a later context never inherits them (as it could when keyed by a reused ``id()``).
+        self._cached: weakref.WeakKeyDictionary[StoreContext, tuple[float, T]] = weakref.WeakKeyDictionary()
+        self._refreshing: weakref.WeakSet[StoreContext] = weakref.WeakSet()
 
     def get(self, ctx: StoreContext) -> T:
         max_age_s = ctx.settings.console_aggregates_s
@@ -102,17 +105,17 @@ class Aggregates(Generic[T]):
                 return cached  # computed by the view this one waited for
             value = self._compute(ctx)
             with self._lock:
-                self._cached[id(ctx)] = (time.monotonic(), value)
+                self._cached[ctx] = (time.monotonic(), value)
             return value
 
     def _cached_or_refresh(self, ctx: StoreContext, max_age_s: float) -> T | None:
         """The cached figures, however old (starting their recomputation if too old); None if there are none."""
         with self._lock:
-            cached = self._cached.get(id(ctx))
+            cached = self._cached.get(ctx)
             if cached is None:
                 return None
-            if time.monotonic() - cached[0] >= max_age_s and id(ctx) not in self._refreshing:
-                self._refreshing.add(id(ctx))
+            if time.monotonic() - cached[0] >= max_age_s and ctx not in self._refreshing:
+                self._refreshing.add(ctx)
                 threading.Thread(target=self._refresh, args=(ctx,), name="console-aggregates", daemon=True).start()
             return cached[1]
 
@@ -120,12 +123,12 @@ class Aggregates(Generic[T]):
         try:
             value = self._compute(ctx)
             with self._lock:
-                self._cached[id(ctx)] = (time.monotonic(), value)
+                self._cached[ctx] = (time.monotonic(), value)
         except Exception:  # the previous figures stay; the next stale view tries again
             log.exception("recomputing the console's aggregates failed")
         finally:
             with self._lock:
-                self._refreshing.discard(id(ctx))
+                self._refreshing.discard(ctx)
 
 
 def page_limit(limit: str | None, bound: int) -> int:
