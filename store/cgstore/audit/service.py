@@ -59,11 +59,11 @@ DETAIL_STRING_LEN = 512
 DETAIL_KEY_LEN = 200
 DETAIL_ITEMS = 32
 DETAIL_DEPTH = 4
-# An action prefix naming more distinct actions than this is matched entry by entry instead.
-MAX_PREFIX_ACTIONS = 64
 DETAIL_JSON_BYTES = 8 * 1024
 
 DEFAULT_PAGE = 100
+# An action prefix naming more distinct actions than this is matched entry by entry instead.
+MAX_PREFIX_ACTIONS = 64
 
 _NEEDS_ESCAPE = re.compile("[\\\\\x00-\x1f\x7f-\U0010ffff]")
 
@@ -222,9 +222,7 @@ def list_events(
     order = AuditEvent.id.desc() if newest_first else AuditEvent.id
     prefix = _action_prefix(where)
     actions = None if prefix is None else _actions_starting(session, prefix)
-    if actions is None:
-        if prefix is not None:  # more distinct actions than are worth visiting one by one
-            conditions.append(AuditEvent.action.startswith(prefix, autoescape=True))
+    if actions is None:  # no prefix, or more distinct actions than are worth visiting one by one
         events = session.scalars(select(AuditEvent).where(*conditions).order_by(order).limit(limit)).all()
     else:
         events = _page_by_action(session, actions, conditions, order, limit, newest_first)
@@ -232,7 +230,7 @@ def list_events(
 
 
 def _conditions(where: AuditFilter) -> list[ColumnElement[bool]]:
-    """Every filter but an action prefix, as SQL conditions on the stored (cleaned) values."""
+    """The filters as SQL conditions on the stored (cleaned) values."""
     conditions: list[ColumnElement[bool]] = []
     for column, value, bound in (
         (AuditEvent.actor, where.actor, ACTOR_LEN),
@@ -243,12 +241,14 @@ def _conditions(where: AuditFilter) -> list[ColumnElement[bool]]:
     ):
         if value is not None:
             conditions.append(column == clean(value, bound))
-    if where.action is not None and not where.action.endswith("*"):
-        conditions.append(AuditEvent.action == clean(where.action, ACTION_LEN))
-    if where.target is not None and where.target.endswith("*"):
-        conditions.append(AuditEvent.target.startswith(clean(where.target[:-1], TARGET_LEN), autoescape=True))
-    elif where.target is not None:
-        conditions.append(AuditEvent.target == clean(where.target, TARGET_LEN))
+    for column, value, bound in (
+        (AuditEvent.action, where.action, ACTION_LEN),
+        (AuditEvent.target, where.target, TARGET_LEN),
+    ):
+        if value is not None and value.endswith("*"):
+            conditions.append(column.startswith(clean(value[:-1], bound), autoescape=True))
+        elif value is not None:
+            conditions.append(column == clean(value, bound))
     if where.since is not None:
         conditions.append(AuditEvent.at >= where.since)
     if where.until is not None:
@@ -292,18 +292,20 @@ def _page_by_action(
 ) -> Sequence[AuditEvent]:
     """The page among ``actions``: each action's first ``limit`` ids from the ``(action, id)`` index, merged.
 
+    ``conditions`` still hold the prefix's own test; ``action ==`` is what lets the index serve each part.
+
     Walking the log by id and testing each entry would read all of it for a
     prefix that only rare entries have; a page per action reads at most
     ``limit`` index entries per action, however long the log.
     """
-    if not actions:
-        return []
     parts = [
         select(AuditEvent.id).where(AuditEvent.action == action, *conditions).order_by(order).limit(limit).subquery()
         for action in actions
     ]
+    if not parts:
+        return []
     ids = sorted(session.scalars(union_all(*(select(part.c.id) for part in parts))), reverse=newest_first)[:limit]
-    return session.scalars(select(AuditEvent).where(AuditEvent.id.in_(ids)).order_by(order)).all() if ids else []
+    return session.scalars(select(AuditEvent).where(AuditEvent.id.in_(ids)).order_by(order)).all()
 
 
 def outcome_counts(session: Session, action: str, since: dt.datetime) -> dict[str, int]:
