@@ -35,7 +35,7 @@ class StoreError(CgstoreError):
     """The store refused a request, or could not be reached.
 
     ``status`` and ``code`` carry the HTTP status and the protocol error code
-    (PROTOCOL.md) when the server answered, ``detail`` its ``detail`` object;
+    (docs/protocol.md) when the server answered, ``detail`` its ``detail`` object;
     ``retryable`` says whether the same request later can succeed.
     :func:`cgstore_client.http.raise_for_status` is the one place an answer
     becomes one of these.

@@ -52,7 +52,7 @@ T = TypeVar("T")
 
 
 def error_for(status: int, body: bytes, retry_after: str | None = None) -> StoreError:
-    """The typed error for an answer ``status`` with error body ``body`` (PROTOCOL.md "Errors")."""
+    """The typed error for an answer ``status`` with error body ``body`` (docs/protocol.md "Errors")."""
     code, message, detail = None, f"HTTP {status}", {}
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
         error = json.loads(body)["error"]

@@ -1,6 +1,6 @@
 """The ck1 key derivation: one implementation, shared by the worker and the store.
 
-A compiled-graph key is ``graph x envelope x sm x toolchain`` (DESIGN.md, "Key
+A compiled-graph key is ``graph x envelope x sm x toolchain`` (docs/design.md, "Key
 derivation"). Each axis is canonicalized into a small JSON document, hashed,
 and the four hashes are hashed once more::
 
@@ -14,8 +14,8 @@ never hashed: what they do reaches the key through the traced graph.
 
 Hashed documents contain only strings, integers, lists and objects, so that
 no float formatting or bool/int confusion can ever make two implementations
-disagree. ``/work/shared/design/ck1-vectors.json`` (and ``tests/vectors``)
-pin the exact bytes.
+disagree. ``tests/vectors/ck1.json`` (the reference vectors, docs/design.md)
+pins the exact bytes.
 
 Public API::
 

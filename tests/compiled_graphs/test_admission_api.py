@@ -1,4 +1,4 @@
-"""The whole admission table of PROTOCOL.md, each code triggered by a real bad input, on both configurations.
+"""The whole admission table of docs/protocol.md, each code triggered by a real bad input, on both configurations.
 
 Every bad archive is archive A (compiled by torch) with one thing wrong; after
 every refusal the key has no record.

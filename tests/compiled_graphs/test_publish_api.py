@@ -1,4 +1,4 @@
-"""Publishing compiled graphs (PROTOCOL.md "Compiled graphs"): admission, write-once keys, audit, metrics.
+"""Publishing compiled graphs (docs/protocol.md "Compiled graphs"): admission, write-once keys, audit, metrics.
 
 Every test runs on both configurations with real archives compiled by torch.
 """

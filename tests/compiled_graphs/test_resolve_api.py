@@ -1,4 +1,4 @@
-"""Batch resolve, read, list and yank (PROTOCOL.md "Compiled graphs"), on both configurations."""
+"""Batch resolve, read, list and yank (docs/protocol.md "Compiled graphs"), on both configurations."""
 
 from __future__ import annotations
 

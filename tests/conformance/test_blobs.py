@@ -1,4 +1,4 @@
-"""Conformance: the blob protocol (PROTOCOL.md "Blobs"), every upload path and its bad variants."""
+"""Conformance: the blob protocol (docs/protocol.md "Blobs"), every upload path and its bad variants."""
 
 from __future__ import annotations
 

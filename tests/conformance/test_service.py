@@ -1,4 +1,4 @@
-"""Conformance: the service routes, names and authentication (PROTOCOL.md "Service", "Names")."""
+"""Conformance: the service routes, names and authentication (docs/protocol.md "Service", "Names")."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def admin_token(fuzzed_store) -> str:
 
 
 def error_body_conformance(ctx, response, case) -> bool | None:
-    """Every 4xx/5xx answers PROTOCOL.md's ``{"error": {"code", "message", "detail"}}``."""
+    """Every 4xx/5xx answers docs/protocol.md's ``{"error": {"code", "message", "detail"}}``."""
     if response.status_code < 400 or case.method.upper() == "HEAD":
         return None
     body = response.json()

@@ -1,6 +1,6 @@
 """Owner-name attacks: reserved slugs and look-alikes can never be claimed, and every attempt is audited.
 
-Names are strict ASCII, never normalized (PROTOCOL.md "Names"): a look-alike
+Names are strict ASCII, never normalized (docs/protocol.md "Names"): a look-alike
 of ``root`` is not a spelling of ``root`` but an invalid name, 400
 ``NAME_INVALID``; ``root`` itself (and the other reserved slugs) 403
 ``ROOT_RESERVED``.

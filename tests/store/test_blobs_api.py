@@ -1,4 +1,4 @@
-"""The Blobs section of PROTOCOL.md, over HTTP, against both configurations."""
+"""The Blobs section of docs/protocol.md, over HTTP, against both configurations."""
 
 from __future__ import annotations
 

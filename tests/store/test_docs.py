@@ -3,8 +3,8 @@
 ``docs/generate.py`` writes the configuration, CLI and route tables from the
 code; a page that differs from what the code says fails here (run ``make
 docs``). Every relative link of README.md and docs/ names a file that exists
-(pages moved once; links must not rot; links out of the repository are
-not checked). The README stays an entry page
+(pages moved once; links must not rot), and no file of the repository names a
+path outside it: a clone must hold everything it cites. The README stays an entry page
 (≤ 250 lines); the rest lives in one page per reader.
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -48,11 +50,46 @@ def test_a_page_without_its_block_is_an_error(generate):
 
 
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
-def test_relative_links_resolve(page):
-    # Links leaving the repository (the shared design documents) are not the repository's to keep.
+def test_relative_links_resolve_inside_the_repository(page):
     targets = [(page.parent / target).resolve() for target in _LINK.findall(page.read_text())]
-    inside = [target for target in targets if target.is_relative_to(REPO_ROOT)]
-    assert [str(t.relative_to(REPO_ROOT)) for t in inside if not t.exists()] == []
+    assert [str(t) for t in targets if not t.is_relative_to(REPO_ROOT)] == []
+    assert [str(t.relative_to(REPO_ROOT)) for t in targets if not t.exists()] == []
+
+
+# A path that may leave the repository: a parent-relative one (kept only when it resolves
+# outside), or an absolute one into this machine's work tree.
+_OUTSIDE = re.compile(r"(?<![\w.])(?:\.\./)+[A-Za-z_][\w.-]*(?:/[\w.-]+)*|/work/\w+")
+
+
+def outside_paths(path, text: str) -> list[str]:
+    """The paths ``text`` (the file at ``path``) names that resolve outside the repository."""
+    found = []
+    for match in _OUTSIDE.finditer(text):
+        named = match.group(0)
+        target = Path(named) if named.startswith("/") else (path.parent / named).resolve()
+        if not target.is_relative_to(REPO_ROOT):
+            found.append(f"{path.relative_to(REPO_ROOT)}: {named}")
+    return found
+
+
+def tracked_text_files() -> list[Path]:
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    suffixes = {".py", ".md", ".toml", ".yml", ".yaml", ".json", ".html", ".txt", ".cfg", ".ini", ""}
+    files = [REPO_ROOT / name for name in listed.stdout.splitlines()]
+    return [f for f in files if f.suffix in suffixes and f.is_file() and f.stat().st_size < 2_000_000]
+
+
+def test_no_file_names_a_path_outside_the_repository():
+    named = [hit for f in tracked_text_files() for hit in outside_paths(f, f.read_text(errors="replace"))]
+    assert named == []
+
+
+def test_an_outside_path_is_found_and_an_inside_one_is_not():
+    page = REPO_ROOT / "docs" / "api.md"
+    sibling, work = "../" * 2 + "shared/design/PROTOCOL.md", "/" + "work/shared"  # not literal: this file is scanned
+    assert outside_paths(page, f"see [it]({sibling}) and ``{work}/x``") == [
+        f"docs/api.md: {sibling}", f"docs/api.md: {work}"]
+    assert outside_paths(page, "[client](client.md), ../README.md, tests/vectors/ck1.json") == []
 
 
 def test_the_readme_is_an_entry_page_linking_every_reader_page():

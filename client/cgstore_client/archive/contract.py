@@ -1,6 +1,6 @@
 """Facts derived from the packaged program: the input contract and the tensor-binding table.
 
-Both are *derived*, never declared (DESIGN.md, "Vocabulary"): a label carried
+Both are *derived*, never declared (docs/design.md, "Vocabulary"): a label carried
 beside an artifact can drift from it; a projection read off the archive cannot.
 
 Input contract (``derive_input_contract``)::

@@ -7,7 +7,7 @@ picked, e.g. ``"AVX512 AVX512_VNNI AMX_TILE"``) and
 ``AOTI_COMPUTE_CAPABILITY`` (``"90"`` for a CUDA 9.0 card, empty on CPU);
 user metadata from ``aot_inductor.metadata`` rides along in the same file.
 
-``sm`` (DESIGN.md, "Vocabulary"): ``sm_<cc>`` for CUDA, and for CPU
+``sm`` (docs/design.md, "Vocabulary"): ``sm_<cc>`` for CUDA, and for CPU
 ``cpu-<machine>-<ISA tokens lowercased, sorted, joined by +>`` through
 :func:`cgstore_client.keys.cpu_sm`, so the mint (which asks torch) and the
 store (which reads the archive) spell one host one way.

@@ -3,7 +3,7 @@
 Every refusal of :func:`cgstore_client.archive.inspect` is an
 :class:`ArchiveError`. The class says *why* (a test or a log line can tell a
 zip bomb from a path traversal without parsing messages); the ``code`` class
-attribute says how the store answers it (PROTOCOL.md): ``KIND_RETIRED``,
+attribute says how the store answers it (docs/protocol.md): ``KIND_RETIRED``,
 ``KIND_UNSUPPORTED``, ``ARTIFACT_INVALID``, ``METADATA_INVALID`` or
 ``SM_MISMATCH``. The store maps ``error.code`` to its response and never
 needs to know the subclass.

@@ -1,6 +1,6 @@
 """``inspect``: read a ``.pt2`` statically and report what it is, or refuse it with a named reason.
 
-The order of the checks follows PROTOCOL.md's admission order, so the first
+The order of the checks follows docs/protocol.md's admission order, so the first
 refusal is the one the store would answer:
 
 1. kind: magic bytes and names (a retired inductor-cache tarball/zip/directory

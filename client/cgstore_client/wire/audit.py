@@ -1,4 +1,4 @@
-"""Wire types of ``GET /v1/audit`` (PROTOCOL.md "Audit"): one entry, and one page of them.
+"""Wire types of ``GET /v1/audit`` (docs/protocol.md "Audit"): one entry, and one page of them.
 
 Strings in an entry are as stored: backslashes, control characters, non-ASCII
 and lone surrogates escaped (``\\x00``, ``\\u043e``), each cut to its column's

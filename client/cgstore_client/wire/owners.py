@@ -1,4 +1,4 @@
-"""Bodies of ``POST /v1/owners``, ``PUT /v1/repos/{owner}/{repo}`` and the preflight (PROTOCOL.md, "Names")."""
+"""Bodies of ``POST /v1/owners``, ``PUT /v1/repos/{owner}/{repo}`` and the preflight (docs/protocol.md, "Names")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Compiled-graph records on the wire (PROTOCOL.md "Compiled graphs").
+"""Compiled-graph records on the wire (docs/protocol.md "Compiled graphs").
 
 ``Manifest`` is what a mint child PUTs; ``Record`` is what a GET answers;
 ``ResolveRequest``/``ResolveAnswer`` are the booting worker's one round trip.

@@ -1,4 +1,4 @@
-"""Bodies of ``/v1/tokens`` and ``/v1/keys`` (PROTOCOL.md, "Tokens"), and their limits.
+"""Bodies of ``/v1/tokens`` and ``/v1/keys`` (docs/protocol.md, "Tokens"), and their limits.
 
 Structure only: grant patterns and actions are checked by the store's
 ``grants.parse_grants`` (400 with a precise message), so the grammar lives in

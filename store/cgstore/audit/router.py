@@ -1,4 +1,4 @@
-"""HTTP endpoint of the audit log (PROTOCOL.md "Audit"): ``GET /v1/audit`` for admins. Thin."""
+"""HTTP endpoint of the audit log (docs/protocol.md "Audit"): ``GET /v1/audit`` for admins. Thin."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""HTTP endpoints of the blobs capability (PROTOCOL.md "Blobs"). Thin: parse, call the service, answer."""
+"""HTTP endpoints of the blobs capability (docs/protocol.md "Blobs"). Thin: parse, call the service, answer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Admission of a compiled-graph manifest, in PROTOCOL.md's order; no HTTP, no database writes.
+"""Admission of a compiled-graph manifest, in docs/protocol.md's order; no HTTP, no database writes.
 
 Every check uses the client package's contract code: the key is recomputed
 with ``cgstore_client.keys``, the archive is read with

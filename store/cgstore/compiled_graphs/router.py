@@ -1,4 +1,4 @@
-"""HTTP endpoints of the compiled-graphs capability (PROTOCOL.md "Compiled graphs"). Thin: parse, call, answer.
+"""HTTP endpoints of the compiled-graphs capability (docs/protocol.md "Compiled graphs"). Thin: parse, call, answer.
 
 Request and response bodies are the client package's wire types
 (``cgstore_client.wire.records``), so the served OpenAPI schema is exactly

@@ -2,7 +2,7 @@
 
 Services raise these; they know nothing about HTTP. ``install_error_handlers``
 turns every one of them (and the infrastructure failures that mean "try again")
-into PROTOCOL.md's ``{"error": {"code", "message", "detail"}}`` body with its
+into docs/protocol.md's ``{"error": {"code", "message", "detail"}}`` body with its
 status code. Nothing else in the server builds an error response.
 """
 
@@ -156,7 +156,7 @@ class BlobReferenceUnknown(BlobUnknown):
     status = 400
 
 
-# -- compiled-graph admission (PROTOCOL.md "Compiled graphs") ----------------------------
+# -- compiled-graph admission (docs/protocol.md "Compiled graphs") ----------------------------
 
 
 class KeyInvalid(StoreError):

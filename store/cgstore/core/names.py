@@ -5,7 +5,7 @@ Names are strict ASCII and are never normalized. ``Root``, a Cyrillic
 valid name: they are invalid, and answer ``NAME_INVALID``. Normalizing would
 let a look-alike slip past the reserved-owner gate or collide with a tenant.
 
-Grammar (PROTOCOL.md, "Names"):
+Grammar (docs/protocol.md, "Names"):
   owner  ``[a-z0-9](?:[a-z0-9-]{0,37}[a-z0-9])?``  (1..39 chars, no edge hyphen)
   repo   ``[a-z0-9][a-z0-9._-]{0,99}``              (1..100 chars)
 """

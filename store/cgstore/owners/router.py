@@ -1,4 +1,4 @@
-"""``POST /v1/owners``: claim an owner slug for the calling principal (PROTOCOL.md, "Names"). Thin."""
+"""``POST /v1/owners``: claim an owner slug for the calling principal (docs/protocol.md, "Names"). Thin."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Digests, storage keys and the streaming verifier shared by both backends.
 
-A digest is ``blake3:<64 lowercase hex>`` (PROTOCOL.md). Both backends lay
+A digest is ``blake3:<64 lowercase hex>`` (docs/protocol.md). Both backends lay
 blobs out the same way, ``blobs/<hex[:2]>/<hex>``, so a store can move from a
 directory to a bucket by copying the tree. ``StreamVerifier`` is the one place
 that decides whether written bytes match what the caller promised: it checks

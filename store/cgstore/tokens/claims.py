@@ -26,7 +26,7 @@ MAX_JTI_LEN = 64  # the tokens.jti column
 
 @dataclass(frozen=True)
 class Claims:
-    """The verified claims of a cap-token (PROTOCOL.md, "Tokens")."""
+    """The verified claims of a cap-token (docs/protocol.md, "Tokens")."""
 
     iss: str
     aud: str

@@ -1,4 +1,4 @@
-"""HTTP endpoints of the token lifecycle and the key ring (PROTOCOL.md, "Tokens"). Thin.
+"""HTTP endpoints of the token lifecycle and the key ring (docs/protocol.md, "Tokens"). Thin.
 
 ``/tokens`` (mint, list, revoke) need an admin token; ``/tokens/attenuate`` is
 called with the parent token itself; ``/keys`` (the JWKS) needs no token, like

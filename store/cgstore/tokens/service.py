@@ -1,7 +1,7 @@
 """Cap-tokens: issuance (mint, attenuate), verification, revocation and listing.
 
 A cap-token is an EdDSA (Ed25519) JWT signed by the key ring (tokens/keys.py).
-Its claims (PROTOCOL.md, "Tokens"): ``iss``, ``aud`` = ``cgstore``, ``sub``
+Its claims (docs/protocol.md, "Tokens"): ``iss``, ``aud`` = ``cgstore``, ``sub``
 (principal), ``iat``, ``exp``, ``jti``, ``plt`` (platform), ``grants``, and
 ``parent`` (jti) when attenuated; ``nbf`` is honoured when present.
 
