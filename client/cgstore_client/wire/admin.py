@@ -20,11 +20,11 @@ STATS_RECENT = 20
 DEFAULT_LS_LIMIT = 100
 
 
-class _Wire(BaseModel):
+class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class RecordCount(_Wire):
+class RecordCount(WireModel):
     """Live records of one (family, sm, lane)."""
 
     family: str
@@ -33,12 +33,12 @@ class RecordCount(_Wire):
     records: int
 
 
-class PublisherCount(_Wire):
+class PublisherCount(WireModel):
     publisher: str = Field(description="The principal (token sub) that published.")
     records: int = Field(description="Its live records.")
 
 
-class StorageBytes(_Wire):
+class StorageBytes(WireModel):
     """What deduplication saves: each record's bytes counted per record, against the bytes kept once."""
 
     blobs: int = Field(description="Blob rows (every stored blob, referenced or not).")
@@ -48,7 +48,7 @@ class StorageBytes(_Wire):
     dedup_ratio: float | None = Field(description="logical_bytes / referenced_bytes; null with no records.")
 
 
-class RecordSummary(_Wire):
+class RecordSummary(WireModel):
     """One line of ``cgstore ls`` and of ``unhealthy``."""
 
     repo: str
@@ -67,7 +67,7 @@ class RecordSummary(_Wire):
     private: bool = False
 
 
-class AdminStats(_Wire):
+class AdminStats(WireModel):
     """``GET /v1/admin/stats`` and ``cgstore stats --json``."""
 
     live_records: int

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import Field
 
-from cgstore_client.wire.records import MAX_REASON_CHARS, MAX_RELEASE_CHARS, ResolveHit, ToolchainAxis, _Wire
+from cgstore_client.wire.records import MAX_REASON_CHARS, MAX_RELEASE_CHARS, ResolveHit, ToolchainAxis, WireModel
 
 #: Candidates a discover answers when the caller does not say.
 DEFAULT_DISCOVER_LIMIT = 4
@@ -25,7 +25,7 @@ DEFAULT_DISCOVER_LIMIT = 4
 MAX_DISCOVER_LIMIT = 16
 
 
-class DiscoverRequest(_Wire):
+class DiscoverRequest(WireModel):
     """A declaration: what the worker will run, known before tracing."""
 
     family: str = Field(min_length=1, max_length=100)
@@ -50,13 +50,13 @@ class Candidate(ResolveHit):
     release: str | None = None
 
 
-class DiscoverAnswer(_Wire):
+class DiscoverAnswer(WireModel):
     """Best first (``root/*``, then the caller's own, newest first); empty when nothing matches or is readable."""
 
     candidates: list[Candidate]
 
 
-class DriftReport(_Wire):
+class DriftReport(WireModel):
     """A worker measured another graph than the record's: what it measured, and why it looked."""
 
     measured_graph: str = Field(min_length=1, max_length=100)

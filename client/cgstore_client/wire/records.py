@@ -73,18 +73,20 @@ def unservable(document: Any) -> str | None:
     return None
 
 
-class _Wire(BaseModel):
+class WireModel(BaseModel):
+    """The base of every wire type: unknown fields refused, values immutable."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class Artifact(_Wire):
+class Artifact(WireModel):
     """The ``.pt2`` blob a record points at."""
 
     digest: str = _DIGEST
     size: int = Field(ge=0)
 
 
-class ComponentRef(_Wire):
+class ComponentRef(WireModel):
     """A named CAS component (a safetensors blob in the same repo) the record binds constants from."""
 
     name: str = Field(min_length=1, max_length=128)
@@ -92,14 +94,14 @@ class ComponentRef(_Wire):
     size: int = Field(ge=0)
 
 
-class ToolchainAxis(_Wire):
+class ToolchainAxis(WireModel):
     """The compiler stack: keyed ``components`` and forensics-only ``recorded`` versions."""
 
     components: dict[str, str]
     recorded: dict[str, str] = Field(default_factory=dict)
 
 
-class Axes(_Wire):
+class Axes(WireModel):
     """The four key axes: the ck1 key is recomputed from these on admission."""
 
     graph: str = Field(max_length=100)
@@ -108,7 +110,7 @@ class Axes(_Wire):
     toolchain: ToolchainAxis
 
 
-class LayoutStamp(_Wire):
+class LayoutStamp(WireModel):
     """How weights exist on disk. ``display`` is stored, never parsed; identity is the digest pair."""
 
     display: str = Field(max_length=200)
@@ -116,14 +118,14 @@ class LayoutStamp(_Wire):
     quant: str = _DIGEST
 
 
-class Evidence(_Wire):
+class Evidence(WireModel):
     """Timings measured at mint: ride the record, never the (byte-identical) archive."""
 
     kernel_lane_evidence: dict[str, Any] | None = None
     mint_phases: dict[str, Any] | None = None
 
 
-class Manifest(_Wire):
+class Manifest(WireModel):
     """The body of ``PUT /v1/repos/{o}/{r}/compiled-graphs/{key}``."""
 
     kind: str = Field(max_length=64)
@@ -143,18 +145,18 @@ class Manifest(_Wire):
     code: str | None = Field(None, max_length=100)
 
 
-class Publisher(_Wire):
+class Publisher(WireModel):
     principal: str
     jti: str | None
 
 
-class Yank(_Wire):
+class Yank(WireModel):
     at: dt.datetime
     by: str
     reason: str
 
 
-class Binding(_Wire):
+class Binding(WireModel):
     """One row of the record's binding table: a constant of the program and where its value comes from."""
 
     name: str
@@ -167,7 +169,7 @@ class Binding(_Wire):
     source: str
 
 
-class Record(_Wire):
+class Record(WireModel):
     """A published compiled graph: the manifest plus what admission derived and who published it."""
 
     key: str
@@ -188,7 +190,7 @@ class Record(_Wire):
     drift_reports: int = 0
 
 
-class PublishAnswer(_Wire):
+class PublishAnswer(WireModel):
     """201 (created) or 200 (the same bytes were already published under this key)."""
 
     status: Literal["created", "exists"]
@@ -199,7 +201,7 @@ class PublishAnswer(_Wire):
     receipt: str | None = None
 
 
-class RecordPage(_Wire):
+class RecordPage(WireModel):
     """One page of a repo's records: at most ``limit`` records and ``MAX_PAGE_BYTES`` of JSON.
 
     ``next_cursor`` is None on the last page; a page may hold fewer records than
@@ -211,18 +213,18 @@ class RecordPage(_Wire):
     next_cursor: str | None = None
 
 
-class YankRequest(_Wire):
+class YankRequest(WireModel):
     reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS)
     #: Whose record of the key: in a private cache each publisher has its own (default: the caller's).
     publisher: str | None = Field(None, min_length=1, max_length=MAX_SUB_LEN)
 
 
-class ResolveRequest(_Wire):
+class ResolveRequest(WireModel):
     family: str = Field(min_length=1, max_length=100)
     keys: list[str] = Field(min_length=1, max_length=MAX_RESOLVE_KEYS)
 
 
-class DownloadRef(_Wire):
+class DownloadRef(WireModel):
     """A blob the worker downloads directly: a presigned storage URL, or the store's blob URL."""
 
     digest: str
@@ -234,7 +236,7 @@ class ComponentDownload(DownloadRef):
     name: str
 
 
-class RecordFacts(_Wire):
+class RecordFacts(WireModel):
     """What a booting worker needs of a hit; the full record is one GET away (``href``).
 
     Deliberately small (a resolve answers up to 256 of these): the kernel-lane
@@ -255,7 +257,7 @@ class RecordFacts(_Wire):
     href: str
 
 
-class ResolveHit(_Wire):
+class ResolveHit(WireModel):
     key: str
     status: Literal["hit"] = "hit"
     repo: str
@@ -266,7 +268,7 @@ class ResolveHit(_Wire):
     receipt: str | None = None
 
 
-class ResolveMiss(_Wire):
+class ResolveMiss(WireModel):
     """A miss: identical whether the key is absent, yanked, unhealthy or held only where the caller cannot read."""
 
     key: str
@@ -276,7 +278,7 @@ class ResolveMiss(_Wire):
 ResolveItem = Annotated[ResolveHit | ResolveMiss, Field(discriminator="status")]
 
 
-class ResolveAnswer(_Wire):
+class ResolveAnswer(WireModel):
     """One answer per requested key, in request order (duplicates answered again)."""
 
     answers: list[ResolveItem]
