@@ -11,7 +11,7 @@ Three tables are generated, each between ``<!-- generated: NAME -->`` and
 
 ``python docs/generate.py`` rewrites the pages; ``--check`` writes nothing and
 exits 1 naming each table that differs (``make docs`` and
-``tests/store/test_docs_generated.py`` run it).
+``tests/house/test_docs.py`` run it).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from cgstore.storage.fs import FileStorage
-from tests.store.test_blobs_api import digest_of
+from tests.blobs.test_blobs_api import digest_of
 from tests.support.leftovers import leftover_writes
 from tests.support.live_store import CONFIGURATIONS, unique_repo
 

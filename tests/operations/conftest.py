@@ -50,5 +50,5 @@ def replicas(replica_settings) -> tuple[LiveStore, LiveStore]:
         yield first, second
 
 
-# -- a registry of its own, for GC (tests/ops/gc_support.py) --------------------------------
-from tests.ops.gc_support import registry  # noqa: E402, F401
+# -- a registry of its own, for GC (tests/operations/gc_support.py) --------------------------------
+from tests.operations.gc_support import registry  # noqa: E402, F401

@@ -26,7 +26,7 @@ from cgstore.core.db import utcnow
 from cgstore.operations import gc, leases
 from cgstore.settings import Settings
 from cgstore.storage.fs import FileStorage
-from tests.ops.gc_support import (
+from tests.operations.gc_support import (
     GRACE_S,
     NOW,
     OLD,

@@ -21,7 +21,7 @@ import pytest
 
 from cgstore.settings import Settings
 from cgstore.storage import open_storage
-from tests.store.test_storage import assert_stored_once
+from tests.storage.test_storage import assert_stored_once
 from tests.support.services import REPO_ROOT, store_process
 from tests.support.storage_fixtures import StorageCase
 

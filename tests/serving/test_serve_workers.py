@@ -9,7 +9,7 @@ import sys
 import httpx
 import psutil
 
-from tests.store.test_blobs_api import digest_of
+from tests.blobs.test_blobs_api import digest_of
 from tests.support.services import REPO_ROOT, store_process
 
 

@@ -23,7 +23,7 @@ import httpx
 from cgstore.core.http import MAX_ECHO_CHARS
 from cgstore.storage import StagedUpload
 from cgstore.storage.fs import FileStorage
-from tests.store.test_blobs_api import digest_of
+from tests.blobs.test_blobs_api import digest_of
 from tests.support.live_store import unique_repo
 from tests.support.services import REPO_ROOT, store_process
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from cgstore.core.errors import RangeInvalid
 from cgstore.core.http import MAX_ECHO_CHARS, parse_range
-from tests.store.test_blobs_api import digest_of
+from tests.blobs.test_blobs_api import digest_of
 from tests.support.live_store import CONFIGURATIONS, unique_repo
 
 WHOLE = "whole"

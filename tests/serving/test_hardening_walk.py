@@ -23,7 +23,7 @@ import socket
 import pytest
 from fastapi.routing import iter_route_contexts
 
-from tests.store.test_blobs_api import digest_of
+from tests.blobs.test_blobs_api import digest_of
 from tests.support.live_store import CONFIGURATIONS, unique_repo
 
 HUGE = b"9" * 5000
