@@ -9,7 +9,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: serve test fuzz soak conformance bench bench-deps chromium docs install install-dev clean
+.PHONY: serve test lint format fuzz soak conformance bench bench-deps chromium docs install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,18 @@ serve: install
 # The test session itself starts PostgreSQL if it is down, creates and drops its own
 # database, and runs moto_server on a free loopback port (tests/support/services.py).
 # Long fuzz and soak runs are marked and left to their own targets (CI runs `make test`).
-test: install-dev chromium
+test: install-dev chromium lint
 	$(PY) -m pytest -m "not fuzz and not soak" --durations=20 --junitxml=.test-results/junit.xml $(PYTEST_ARGS)
+
+# ruff, configured in pyproject.toml: pyflakes, isort, bugbear, pyupgrade, and the formatter's check.
+lint: install-dev
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+# Rewrites what `make lint` would refuse and can fix by itself.
+format: install-dev
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 fuzz: install-dev
 	$(PY) -m pytest -m fuzz $(PYTEST_ARGS)

@@ -201,7 +201,7 @@ def main() -> None:
                 components = fresh_components(side, scratch)
                 files = [scratch / "artifact.pt2", *components.values()]
                 total = sum(p.stat().st_size for p in files)
-                digests, sizes = zip(*(hash_file(p) for p in files))
+                digests, sizes = zip(*(hash_file(p) for p in files), strict=True)
 
                 def ours_publish() -> None:
                     threshold = None if args.chunked_threshold_mib is None else args.chunked_threshold_mib * MiB
@@ -233,7 +233,7 @@ def main() -> None:
                 def boto_cold() -> None:
                     in_parallel(*(lambda d=d, i=i, n=n: s3_get_verified(s3, stack.bucket, blob_key(d),
                                                                          boto_dir / f"boto-{i}.bin", d, n)
-                                  for i, (d, n) in enumerate(zip(digests, sizes))))
+                                  for i, (d, n) in enumerate(zip(digests, sizes, strict=True))))
 
                 def boto_raw() -> None:
                     in_parallel(*(lambda d=d, i=i: s3_get_unverified(s3, stack.bucket, blob_key(d),

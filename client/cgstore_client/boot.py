@@ -113,7 +113,7 @@ def admits_contract(contract: Mapping[str, Any], inputs: Mapping[str, object]) -
         declared = spec.get("shape") or []
         if len(shape) != len(declared):
             return _refused(spec["name"], f"{spec['name']} has rank {len(shape)}, declared {len(declared)}")
-        for axis, (size, want) in enumerate(zip(shape, declared)):
+        for axis, (size, want) in enumerate(zip(shape, declared, strict=True)):
             if isinstance(want, int):
                 if size != want:
                     return _refused(f"{spec['name']}[{axis}]", f"{spec['name']} dim {axis} is {size}, declared {want}")

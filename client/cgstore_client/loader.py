@@ -88,7 +88,7 @@ def _quiet(names: Iterable[str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for logger, level in zip(loggers, levels):
+        for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
 
 

@@ -8,6 +8,7 @@ import threading
 import blake3
 import httpx
 import pytest
+from itertools import pairwise
 
 from tests.support.live_store import unique_repo
 
@@ -114,7 +115,7 @@ def test_chunked_upload_resume_and_commit(store, repo):
         assert opened.status_code == 202
         location = opened.headers["location"]
         assert location.startswith(f"/v1/repos/acme/{name}/uploads/")
-        for start, end in zip(cuts, cuts[1:]):
+        for start, end in pairwise(cuts):
             patch = client.patch(location, content=data[start:end], headers={"Content-Range": f"{start}-{end - 1}"})
             assert patch.status_code == 202, patch.text
             assert patch.headers["range"] == f"0-{end - 1}"

@@ -25,9 +25,9 @@ def test_fetch_verify_ls_prune(store, tmp_path):
     blobs = [os.urandom(200_000 + i) for i in range(2)]
     digests = ["blake3:" + blake3.blake3(b).hexdigest() for b in blobs]
     with store.client(token) as http:
-        for data, digest in zip(blobs, digests):
+        for data, digest in zip(blobs, digests, strict=True):
             assert http.put(f"/v1/repos/{repo}/blobs/{digest}", content=data).status_code == 201
-    for data, digest in zip(blobs, digests):
+    for data, digest in zip(blobs, digests, strict=True):
         fetched = run(store, token, tmp_path, "fetch", repo, digest, "--size", str(len(data)), "--json")
         assert fetched.exit_code == 0, fetched.output
         assert open(json.loads(fetched.output)["path"], "rb").read() == data

@@ -96,7 +96,7 @@ def test_nan_and_infinity_in_a_json_field_are_refused(store, pt2_archive, consta
 @pytest.mark.parametrize("text", ["fam\x00ily", "fam\ud800ily"], ids=["nul", "lone-surrogate"])
 def test_unstorable_text_in_a_resolve_family_is_refused(store, repo, text):
     _, token = repo
-    body = '{"family": %s, "keys": ["%s"]}' % (_escaped(text), KEY)
+    body = f'{{"family": {_escaped(text)}, "keys": ["{KEY}"]}}'
     with store.client(token) as client:
         response = client.post("/v1/compiled-graphs:resolve", content=body,
                                headers={"Content-Type": "application/json"})

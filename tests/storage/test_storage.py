@@ -26,6 +26,7 @@ import pytest
 from botocore.exceptions import ClientError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from itertools import pairwise
 
 from cgstore.core.errors import (
     BlobUnknown,
@@ -551,7 +552,7 @@ def test_copy_plan_splits_huge_chunks_and_refuses_what_s3_cannot_join():
     pieces = plan([("h", huge)])
     assert len(pieces) == 3 and all(end - start <= s3_staging.MAX_PART_BYTES for _, start, end in pieces)
     assert pieces[0][1] == 0 and pieces[-1][2] == huge
-    assert all(a[2] == b[1] for a, b in zip(pieces, pieces[1:]))  # contiguous
+    assert all(a[2] == b[1] for a, b in pairwise(pieces))  # contiguous
     assert plan([("c", 6 * MiB)] * 10_001) is None
 
 

@@ -305,7 +305,7 @@ def derive_input_contract(view: ProgramView) -> dict[str, object]:
     prefixes, is_call = _root_path(root)
     if is_call:
         children = [
-            builder.tree(_require_spec_node(child), prefix) for prefix, child in zip(prefixes, root["children_spec"])
+            builder.tree(_require_spec_node(child), prefix) for prefix, child in zip(prefixes, root["children_spec"], strict=True)
         ]
         tree: object = {"type": str(root["type"]), "arity": 2, "children": children}
     else:
@@ -447,9 +447,9 @@ def _attach_aoti(rows: list[dict[str, Any]], constants: list[AotiConstant]) -> l
     leftover_constants = [c for c in constants if c.index not in matched and c.kind == "CONSTANT_TENSOR"]
     if len(leftover_rows) == len(leftover_constants) and all(
         row["dtype"] == constant.dtype and row["shape"] == list(constant.shape)
-        for row, constant in zip(leftover_rows, leftover_constants)
+        for row, constant in zip(leftover_rows, leftover_constants, strict=True)
     ):
-        for row, constant in zip(leftover_rows, leftover_constants):
+        for row, constant in zip(leftover_rows, leftover_constants, strict=True):
             _bind(row, constant, matched)
     extra = [
         _aoti_only_row(constant) for constant in constants if constant.index not in matched

@@ -41,6 +41,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
+from itertools import pairwise
 
 from cgstore_client.archive.errors import (
     ArchiveBomb,
@@ -414,7 +415,7 @@ class SafeZip:
         spans.sort()
         # Sorted by where each entry starts, every entry must start after the
         # previous one's data ends (a data descriptor, if any, sits in between).
-        for (_, end, name), (next_start, _, next_name) in zip(spans, spans[1:]):
+        for (_, end, name), (next_start, _, next_name) in pairwise(spans):
             if next_start < end:
                 raise ArchiveOverlappingEntries(f"entries {name!r} and {next_name!r} share bytes")
 
