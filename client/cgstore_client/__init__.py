@@ -8,7 +8,7 @@ compiled graph) and ``loader`` (binding constants by name) need the ``torch``
 extra and are never imported from here.
 """
 
-from cgstore_client.boot import Eager, Loaded, Want
+from cgstore_client.outcomes import Eager, Loaded, Want
 from cgstore_client.client import Client, Published
 from cgstore_client.discovery import Booted
 from cgstore_client.errors import (

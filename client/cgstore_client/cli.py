@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from cgstore_client.boot import Eager, Loaded, Want
+from cgstore_client.outcomes import Eager, Loaded, Want
 from cgstore_client.client import Client
 from cgstore_client.errors import CgstoreError
 

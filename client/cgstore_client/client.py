@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cgstore_client import boot
+from cgstore_client import outcomes
 from cgstore_client.archive import inspect
-from cgstore_client.boot import Eager, Loaded, Want
+from cgstore_client.outcomes import Eager, Loaded, Want
 from cgstore_client.cache import Cache, hash_file
 from cgstore_client.errors import (
     CgstoreError,
@@ -318,13 +318,13 @@ class Client:
     def _entries(self, family: str, keys: list[str]) -> dict[str, dict[str, Any] | str]:
         """key -> hit entry, or why there is none. Offline (or with the store down) from the cache."""
         if self.offline:
-            return {k: self.cache.read_record(k) or f"{boot.OFFLINE_NOT_CACHED}: offline mode, no socket opened"
+            return {k: self.cache.read_record(k) or f"{outcomes.OFFLINE_NOT_CACHED}: offline mode, no socket opened"
                     for k in keys}
         try:
             answers = self.resolve(family, keys)
         except Unavailable as err:
-            return {k: self.cache.read_record(k) or f"{boot.UNAVAILABLE}: {err}" for k in keys}
-        return {a["key"]: self._with_cached_record(a) if a.get("status") == "hit" else boot.MISS for a in answers}
+            return {k: self.cache.read_record(k) or f"{outcomes.UNAVAILABLE}: {err}" for k in keys}
+        return {a["key"]: self._with_cached_record(a) if a.get("status") == "hit" else outcomes.MISS for a in answers}
 
     def _with_cached_record(self, entry: dict[str, Any]) -> dict[str, Any]:
         """Reuse the cached full record when it is the one resolved (records are write-once): no GET on a warm boot."""
@@ -338,22 +338,22 @@ class Client:
             return entry
         receipt = entry.get("receipt")
         if receipt is None:
-            return f"{boot.RECEIPT_INVALID}: the record carries no receipt"
+            return f"{outcomes.RECEIPT_INVALID}: the record carries no receipt"
         try:
             try:
-                claims = self.receipt_verifier(entry, receipt, self.keys())
+                claims = self.receipt_verifier(entry, receipt, self.jwks())
             except ReceiptKeyUnknown:
                 if self.offline:
                     raise
                 # A key rotated in after this client fetched the JWKS: fetch it again, once.
-                claims = self.receipt_verifier(entry, receipt, self.keys(refresh=True))
+                claims = self.receipt_verifier(entry, receipt, self.jwks(refresh=True))
         except ReceiptInvalid as err:
-            return f"{boot.RECEIPT_INVALID}: {err}"
+            return f"{outcomes.RECEIPT_INVALID}: {err}"
         if root_only and not proves_root(claims):
-            return f"{boot.NOT_ROOT}: the receipt of {entry.get('repo')}'s record does not prove a platform record"
+            return f"{outcomes.NOT_ROOT}: the receipt of {entry.get('repo')}'s record does not prove a platform record"
         return entry
 
-    def keys(self, *, refresh: bool = False) -> dict[str, Any]:
+    def jwks(self, *, refresh: bool = False) -> dict[str, Any]:
         """The store's public keys (JWKS), fetched once (again with ``refresh``) and kept in the
         cache for offline verification."""
         if self._jwks is None or (refresh and not self.offline):
@@ -434,7 +434,7 @@ class Client:
         """Serve ``model`` compiled from a discovered record, confirmed as asked; see :func:`discovery.boot`."""
         from cgstore_client import discovery
 
-        return discovery.boot(self, family, model, envelope=envelope, **options)
+        return discovery.boot_by_declaration(self, family, model, envelope=envelope, **options)
 
     # --- publish -----------------------------------------------------------------------
 
@@ -522,12 +522,12 @@ def _manifest(report, family, envelope: Envelope, toolchain: Toolchain, sm, lane
 
 def _eager_reason(error: CgstoreError) -> str:
     if isinstance(error, Offline):
-        return f"{boot.OFFLINE_NOT_CACHED}: {error}"
+        return f"{outcomes.OFFLINE_NOT_CACHED}: {error}"
     if isinstance(error, IntegrityError):
-        return f"{boot.INTEGRITY}: {error}"
+        return f"{outcomes.INTEGRITY}: {error}"
     if isinstance(error, NotFound):
-        return f"{boot.MISS}: {error}"  # yanked or gone between the resolve and the download
-    return f"{boot.UNAVAILABLE}: {error}"
+        return f"{outcomes.MISS}: {error}"  # yanked or gone between the resolve and the download
+    return f"{outcomes.UNAVAILABLE}: {error}"
 
 
 def _parsed(model, content: bytes):

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import blake3
 
-from cgstore_client import boot as reasons
-from cgstore_client.boot import Eager, Loaded, admits_contract
+from cgstore_client import outcomes
+from cgstore_client.outcomes import Eager, Loaded, admits_contract
 from cgstore_client.client import Client, _entry, _parsed, _record, split_repo
 from cgstore_client.errors import CgstoreError, CompiledRequired, NotFound, Offline, Unavailable
 from cgstore_client.keys import Envelope, Toolchain, canonical_json
@@ -167,7 +167,7 @@ def _cached_candidates(client: Client, path, error: CgstoreError) -> list[Candid
 # --- boot ----------------------------------------------------------------------------------
 
 
-def boot(
+def boot_by_declaration(
     client: Client,
     family: str,
     model: torch.nn.Module,
@@ -199,7 +199,7 @@ def boot(
     if booted.compiled and confirm == "background" and example_inputs is not None:
         _start_confirmation(client, booted, model, example_inputs, background=True)
     if mandatory and not booted.compiled:
-        raise CompiledRequired({family: booted.reason or reasons.MISS})
+        raise CompiledRequired({family: booted.reason or outcomes.MISS})
     return booted
 
 
@@ -219,9 +219,9 @@ def _boot(client, family, model, request: DiscoverRequest, example_inputs, check
     try:
         candidates = discover(client, request)
     except Offline as err:
-        return Booted(model, reason=f"{reasons.OFFLINE_NOT_CACHED}: {err}")
+        return Booted(model, reason=f"{outcomes.OFFLINE_NOT_CACHED}: {err}")
     except Unavailable as err:
-        return Booted(model, reason=f"{reasons.UNAVAILABLE}: {err}")
+        return Booted(model, reason=f"{outcomes.UNAVAILABLE}: {err}")
     shapes = _leaf_shapes(example_inputs) if example_inputs is not None else None
     weights = checkpoint if checkpoint is not None else model.state_dict()
     refusals, drifted = [], None
@@ -250,7 +250,7 @@ def _boot(client, family, model, request: DiscoverRequest, example_inputs, check
             drifted.reason += f" (other candidates: {'; '.join(refusals)})"
         return drifted
     if refusals:
-        return Booted(model, reason=f"{reasons.MISS}: no candidate could be served ({'; '.join(refusals)})")
+        return Booted(model, reason=f"{outcomes.MISS}: no candidate could be served ({'; '.join(refusals)})")
     return Booted(model, reason=_miss_reason(client, request, model))
 
 
@@ -298,13 +298,13 @@ def _miss_reason(client: Client, request: DiscoverRequest, model) -> str:
     try:
         others = discover(client, request.model_copy(update={"binding_signature": None, "limit": 1}))
         if not others:
-            return f"{reasons.MISS}: no candidate for this declaration"
+            return f"{outcomes.MISS}: no candidate for this declaration"
         other = others[0]
         table = _record(client.transport.request("GET", other.record.href).content)["binding_table"]
     except (CgstoreError, KeyError) as err:  # a diagnosis only: the miss stands either way
         log.debug("no diagnosis of the miss: %s", err)
-        return f"{reasons.MISS}: no candidate binds this model's tensors ({request.binding_signature})"
-    return (f"{reasons.MISS}: no candidate binds this model's tensors ({request.binding_signature}); "
+        return f"{outcomes.MISS}: no candidate binds this model's tensors ({request.binding_signature})"
+    return (f"{outcomes.MISS}: no candidate binds this model's tensors ({request.binding_signature}); "
             f"{other.key} binds {other.binding_signature}: {_tensor_differences(table, model)}")
 
 

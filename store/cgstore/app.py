@@ -55,7 +55,7 @@ def build_context(settings: Settings) -> StoreContext:
         tokens=tokens,
         metrics=Metrics(settings.metrics_family_labels),
         denials=DenialLog(db, settings.audit_interval_s, settings.audit_max_sources),
-        cursors=CursorSeal(tokens.keys.derive("listing-cursors")),
+        cursors=CursorSeal(tokens.ring.derive("listing-cursors")),
     )
     ctx.metrics.watch_upload_sessions(lambda: _open_sessions_or_nan(ctx))
     return ctx

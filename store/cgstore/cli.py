@@ -195,7 +195,7 @@ def keys_rotate() -> None:
 
     service = _token_service()
     with service.db.session() as session:
-        kid = service.keys.rotate(session)
+        kid = service.ring.rotate(session)
         record(session, actor="cli", jti=None, action="key.rotate", target=kid)
     typer.echo(kid)
 
@@ -232,7 +232,7 @@ def keys_list() -> None:
     """The ring: kid, created, retired, and whether this host holds its private half."""
     service = _token_service()
     with service.db.session() as session:
-        keys = service.keys.list_keys(session)
+        keys = service.ring.list_keys(session)
     for key in keys:
         retired = key.retired_at.isoformat() if key.retired_at else "-"
         typer.echo(f"{key.kid}  created={key.created_at.isoformat()}  retired={retired}  signs_here={key.signs_here}")

@@ -32,7 +32,7 @@ from cgstore.cli import app
 from cgstore.core import migrate
 from cgstore.core.db import Database, utcnow
 from cgstore.settings import Settings
-from cgstore.tokens.keys import KeyRing, key_id, public_pem
+from cgstore.tokens.ring import KeyRing, key_id, public_pem
 from cgstore.tokens.models import SigningKey
 from tests.audit.conftest import last_id
 from tests.support import services
@@ -221,7 +221,7 @@ def test_a_checkpoint_never_authenticates(store):
     with store.context.db.session() as session:
         record(session, actor="tester", jti=None, action="test.checkpoint", target=unique_repo("cp"))
     with store.context.db.session() as session:
-        signed = chain.checkpoint(session, store.context.tokens.keys, issuer=store.settings.token_issuer)
+        signed = chain.checkpoint(session, store.context.tokens.ring, issuer=store.settings.token_issuer)
     with store.client(signed.statement) as client:
         assert client.get("/v1/audit").status_code == 401
 

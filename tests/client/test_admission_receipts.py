@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cgstore_client.boot import Loaded
+from cgstore_client.outcomes import Loaded
 from cgstore_client.keys import OUT_OF_ENVELOPE_REASON, Envelope
 from cgstore_client.receipts import RECEIPT_AUDIENCE, RECEIPT_TYP, ReceiptInvalid, proves_root, verify_jws_receipt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey

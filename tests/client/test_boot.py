@@ -16,7 +16,7 @@ import jwt
 import pytest
 from cgstore_client import Client, CompiledRequired, Conflict, Want
 from cgstore_client.archive import inspect
-from cgstore_client.boot import Eager, Loaded
+from cgstore_client.outcomes import Eager, Loaded
 from cgstore_client.client import DERIVED_COMPONENT
 from cgstore_client.keys import Envelope, ck1
 from cgstore_client.mint import derived_constants_path
@@ -274,9 +274,9 @@ def test_a_receipt_signed_by_a_key_rotated_in_since_the_jwks_was_fetched_verifie
     repo = f"acme/{unique_repo()}"
     token = live.mint("mint-child", f"{repo}:read,write")
     with Client(live.base_url, token, cache_dir=tmp_path / "c") as client:
-        before = {jwk["kid"] for jwk in client.keys()["keys"]}
+        before = {jwk["kid"] for jwk in client.jwks()["keys"]}
         with live.context.db.session() as session:
-            rotated = live.context.tokens.keys.rotate(session)  # what `cgstore keys rotate` does
+            rotated = live.context.tokens.ring.rotate(session)  # what `cgstore keys rotate` does
         publish(client, repo, minted)  # the receipt is signed with the new key
         (loaded,) = client.load(FAMILY, [derived_key(minted)])
     assert rotated not in before
@@ -326,9 +326,9 @@ def test_a_receipt_whose_key_is_still_unknown_after_one_refetch_is_not_served(ma
         (loaded,) = client.load(FAMILY, [key])
     signer = jwt.get_unverified_header(loaded.receipt)["kid"]
     with live.context.db.session() as session:
-        live.context.tokens.keys.rotate(session)  # what `cgstore keys rotate` then `retire` do
+        live.context.tokens.ring.rotate(session)  # what `cgstore keys rotate` then `retire` do
     with live.context.db.session() as session:
-        assert live.context.tokens.keys.retire(session, signer)
+        assert live.context.tokens.ring.retire(session, signer)
     reader = live.mint("worker", f"{repo}:read")  # signed by the new key
     with Client(live.base_url, reader, cache_dir=tmp_path / "worker") as worker:
         before = jwks_gets(live)

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from cgstore_client.archive import inspect  # noqa: E402
 from cgstore_client.archive.graph import graph_digest_from_document, graph_digest_from_program  # noqa: E402
-from cgstore_client.boot import Loaded  # noqa: E402
+from cgstore_client.outcomes import Loaded  # noqa: E402
 from cgstore_client.client import DERIVED_COMPONENT  # noqa: E402
 from cgstore_client.components import save_tensors  # noqa: E402
 from cgstore_client.loader import BindingError, load_compiled  # noqa: E402

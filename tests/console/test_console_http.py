@@ -18,7 +18,7 @@ from cgstore.blobs.models import BLOB_MISSING, BLOB_OK
 from cgstore.console import charts
 from cgstore.console.router import COOKIE, CSP
 from cgstore.console.service import Aggregates
-from cgstore.operations.health import set_blob_health
+from cgstore.operations.blob_health import set_blob_health
 from tests.audit.conftest import rows
 from tests.console.conftest import HOSTILE, HOSTILE_REASON, h1, next_link, sign_in
 

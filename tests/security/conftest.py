@@ -22,7 +22,7 @@ def code(response) -> str:
 def store_key(store):
     """(kid, private key) the running store signs with now."""
     with store.context.db.session() as session:
-        return store.context.tokens.keys.signing_key(session)
+        return store.context.tokens.ring.signing_key(session)
 
 
 def payload(store, **over) -> dict:

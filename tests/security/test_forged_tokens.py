@@ -17,7 +17,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from cgstore.tokens.keys import key_id
+from cgstore.tokens.ring import key_id
 from cgstore.tokens.service import LEEWAY_S, TokenService
 from tests.security.conftest import b64, b64json, code, decode_unverified, payload, sign, store_key
 from tests.support.audit import audited
@@ -76,7 +76,7 @@ def test_wrong_iss(store, target):
 
 def test_expired(store, target):
     past = TokenService(
-        store.context.db, store.settings, keys=store.context.tokens.keys, clock=lambda: time.time() - 7200
+        store.context.db, store.settings, ring=store.context.tokens.ring, clock=lambda: time.time() - 7200
     )
     expired = past.mint("victim", [f"acme/{target['name']}:read"], 3600).token
     refused(store, target, expired, "expired")
@@ -88,7 +88,7 @@ def test_expiry_is_judged_with_the_clock_skew_leeway(store, target):
     def minted_expired(ago_s: int) -> str:
         ttl_s = 60
         past = TokenService(
-            store.context.db, store.settings, keys=store.context.tokens.keys,
+            store.context.db, store.settings, ring=store.context.tokens.ring,
             clock=lambda: time.time() - ttl_s - ago_s,
         )
         return past.mint("victim", [f"acme/{target['name']}:read"], ttl_s).token
@@ -157,7 +157,7 @@ def test_recorded_jti_resigned_with_other_claims(store, target, change):
 def test_recorded_jti_resigned_by_another_accepted_key(store, target):
     minted = store.context.tokens.mint("victim", [f"acme/{target['name']}:read"], 600)
     with store.context.db.session() as session:
-        kid = store.context.tokens.keys.rotate(session)
+        kid = store.context.tokens.ring.rotate(session)
     _, key = store_key(store)
     assert key_id(key.public_key()) == kid
     claims = dict(decode_unverified(minted.token), grants=[{"repo": "*/*", "actions": ["write"]}])

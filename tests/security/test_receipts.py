@@ -19,7 +19,7 @@ import time
 import jwt
 import pytest
 from cgstore_client import Client, Want
-from cgstore_client.boot import Eager, Loaded
+from cgstore_client.outcomes import Eager, Loaded
 from cgstore_client.receipts import RECEIPT_AUDIENCE, RECEIPT_TYP, ReceiptInvalid, verify_receipt
 
 from tests.compiled_graphs.support import CONSTANTS_A, FAMILY, publication, publish, safetensors_bytes

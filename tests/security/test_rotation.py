@@ -135,7 +135,7 @@ def test_retiring_the_signing_key_waits_for_an_in_flight_publish(own_ring_store,
     """
     live = own_ring_store
     name = unique_repo("race")
-    keys = live.context.tokens.keys
+    keys = live.context.tokens.ring
     token = live.mint("minter", f"acme/{name}:read,write")  # key 1: outlives key 2's retirement
     pub = publication(pt2_archive, archive_report(pt2_archive),
                       components={"consts": safetensors_bytes(CONSTANTS_A)})

@@ -50,7 +50,7 @@ from cgstore.audit.models import AuditEvent, AuditHead
 from cgstore.owners.models import Owner, Principal
 from cgstore.owners.service import is_platform_principal, register_principal
 from cgstore.tokens.claims import MAX_TTL_S, Claims
-from cgstore.tokens.keys import KeyConfigError, KeyRing, key_id, load_or_create_signing_key
+from cgstore.tokens.ring import KeyConfigError, KeyRing, key_id, load_or_create_signing_key
 from cgstore.tokens.models import SigningKey, TokenRecord
 from cgstore.tokens.service import LEEWAY_S, TokenService
 from tests.support.services import postgres_database
@@ -410,7 +410,7 @@ def test_concurrent_processes_agree_on_one_key(tmp_path: Path) -> None:
         f"""
         import time
         from pathlib import Path
-        from cgstore.tokens.keys import key_id, load_or_create_signing_key
+        from cgstore.tokens.ring import key_id, load_or_create_signing_key
         time.sleep(max(0.0, {start_at!r} - time.time()))
         print(key_id(load_or_create_signing_key(Path({str(path)!r})).public_key()))
         """
@@ -439,26 +439,26 @@ def test_wrong_key_types_are_refused(db: Database, tmp_path: Path) -> None:
 def test_rotate_signs_with_the_new_key_and_the_old_keeps_verifying(svc: TokenService, db: Database) -> None:
     old = svc.mint("alice", ["acme/*:read"], ttl_s=600)
     with db.session() as session:
-        new_kid = svc.keys.rotate(session)
+        new_kid = svc.ring.rotate(session)
     assert stat.S_IMODE((svc.keys._keys_dir / f"{new_kid}.pem").stat().st_mode) == 0o600
     new = svc.mint("alice", ["acme/*:read"], ttl_s=600)
     assert jwt.get_unverified_header(new.token)["kid"] == new_kid != jwt.get_unverified_header(old.token)["kid"]
     assert svc.verify(old.token).jti == old.jti and svc.verify(new.token).jti == new.jti
     with db.session() as session:
-        assert svc.keys.retire(session, svc.keys.bootstrap_kid) is True
-        assert svc.keys.retire(session, svc.keys.bootstrap_kid) is False  # already retired
+        assert svc.ring.retire(session, svc.keys.bootstrap_kid) is True
+        assert svc.ring.retire(session, svc.keys.bootstrap_kid) is False  # already retired
     with pytest.raises(TokenInvalid, match="retired key"):
         svc.verify(old.token)
     assert svc.verify(new.token).jti == new.jti
     with db.session() as session:
-        assert [k["kid"] for k in svc.keys.jwks(session)] == [new_kid]
+        assert [k["kid"] for k in svc.ring.jwks(session)] == [new_kid]
 
 
 def test_the_last_signing_key_cannot_be_retired(svc: TokenService, db: Database) -> None:
     with db.session() as session, pytest.raises(BadRequest, match="rotate"):
-        svc.keys.retire(session, svc.keys.bootstrap_kid)
+        svc.ring.retire(session, svc.keys.bootstrap_kid)
     with db.session() as session, pytest.raises(NameUnknown):
-        svc.keys.retire(session, "0" * 16)
+        svc.ring.retire(session, "0" * 16)
 
 
 def test_rotation_on_one_instance_reaches_another_without_restart(db: Database, tmp_path: Path, clock) -> None:
@@ -467,25 +467,25 @@ def test_rotation_on_one_instance_reaches_another_without_restart(db: Database, 
     b = TokenService(db, make_settings(tmp_path / "b"), clock=clock)
     token_a = a.mint("alice", ["acme/*:read"], ttl_s=600).token
     with db.session() as session:
-        kid = b.keys.rotate(session)
+        kid = b.ring.rotate(session)
     token_b = b.mint("alice", ["acme/*:read"], ttl_s=600).token
     assert jwt.get_unverified_header(token_b)["kid"] == kid
     assert a.verify(token_b).sub == b.verify(token_a).sub == "alice"
     # a holds no private half of kid: it keeps signing with its own newest key.
     assert jwt.get_unverified_header(a.mint("bob", [], ttl_s=60).token)["kid"] == a.keys.bootstrap_kid
     with db.session() as session:
-        b.keys.retire(session, a.keys.bootstrap_kid)
+        b.ring.retire(session, a.keys.bootstrap_kid)
     with pytest.raises(TokenInvalid, match="retired"):
         b.verify(token_a)
 
 
 def test_jwks_carries_no_private_part(svc: TokenService, db: Database) -> None:
     with db.session() as session:
-        keys = svc.keys.jwks(session)
+        keys = svc.ring.jwks(session)
     assert keys and set(keys[0]) == {"kty", "crv", "x", "kid", "alg", "use"}
     x = base64.urlsafe_b64decode(keys[0]["x"] + "==")
     with db.session() as session:
-        kid, private = svc.keys.signing_key(session)
+        kid, private = svc.ring.signing_key(session)
     assert key_id(private.public_key()) == kid == keys[0]["kid"]
     assert x == private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
@@ -567,12 +567,12 @@ def svc(db: Database, settings: Settings, clock: FakeClock) -> TokenService:
 
 def key_of(svc: TokenService):
     with svc.db.session() as session:
-        return svc.keys.signing_key(session)[1]
+        return svc.ring.signing_key(session)[1]
 
 
 def kid_of(svc: TokenService) -> str:
     with svc.db.session() as session:
-        return svc.keys.signing_key(session)[0]
+        return svc.ring.signing_key(session)[0]
 
 
 def can_write(svc: TokenService, claims: Claims, owner: str, repo: str, holder: str | None = None) -> None:

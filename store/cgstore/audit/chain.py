@@ -51,7 +51,7 @@ from cgstore.core.db import insert_ignoring_conflicts, utcnow
 if TYPE_CHECKING:
     from cgstore.context import StoreContext
     from cgstore.operations.leases import HeldLease
-    from cgstore.tokens.keys import KeyRing
+    from cgstore.tokens.ring import KeyRing
 
 GENESIS = "0" * 64
 HEAD_ID = 1
@@ -130,7 +130,7 @@ def checkpoint(session: Session, keys: KeyRing, *, issuer: str) -> AuditCheckpoi
 def checkpoint_round(ctx: StoreContext, lease: HeldLease) -> int:
     """The periodic task: 1 when it signed a new checkpoint, else 0."""
     with ctx.db.session() as session:
-        return int(checkpoint(session, ctx.tokens.keys, issuer=ctx.settings.token_issuer) is not None)
+        return int(checkpoint(session, ctx.tokens.ring, issuer=ctx.settings.token_issuer) is not None)
 
 
 def ring_public_keys(session: Session) -> dict[str, Ed25519PublicKey]:
@@ -138,7 +138,7 @@ def ring_public_keys(session: Session) -> dict[str, Ed25519PublicKey]:
 
     A row whose key does not hash to its kid is left out: its checkpoints fail.
     """
-    from cgstore.tokens.keys import key_id
+    from cgstore.tokens.ring import key_id
     from cgstore.tokens.models import SigningKey
 
     found = {}
@@ -156,7 +156,7 @@ def jwks_public_keys(jwks: Mapping) -> Callable[[Session], dict[str, Ed25519Publ
     sign forged checkpoints with it; a JWKS kept elsewhere cannot be edited so.
     A JWK whose key does not hash to its kid is left out.
     """
-    from cgstore.tokens.keys import key_id
+    from cgstore.tokens.ring import key_id
 
     found = {}
     for entry in jwks.get("keys", []):

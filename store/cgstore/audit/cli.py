@@ -134,7 +134,7 @@ def _read_jwks(path: Path) -> dict:
 def checkpoint() -> None:
     """Sign the audit chain's head now with the key ring's current key."""
     from cgstore.settings import Settings
-    from cgstore.tokens.keys import KeyRing
+    from cgstore.tokens.ring import KeyRing
 
     settings = Settings()
     db = _database()

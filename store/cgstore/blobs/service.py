@@ -52,7 +52,7 @@ from cgstore.core.errors import (
 )
 from cgstore.core.faults import crash_point
 from cgstore.core.names import split_repo_path
-from cgstore.operations.health import set_blob_health
+from cgstore.operations.blob_health import set_blob_health
 from cgstore.repos.models import Repo
 from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload

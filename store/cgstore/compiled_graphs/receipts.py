@@ -2,7 +2,7 @@
 
 The claims, header and their meaning are the client package's
 (``cgstore_client.receipts``, where they are verified): this module only signs
-them, with the key ring that signs cap-tokens (``tokens/keys.py``), so one
+them, with the key ring that signs cap-tokens (``tokens/ring.py``), so one
 JWKS (``GET /v1/keys``) verifies both. The ``typ`` and ``aud`` differ from a
 cap-token's, and ``TokenService.verify`` refuses the receipt ``typ``: a receipt
 never authenticates anyone.
@@ -51,7 +51,7 @@ from sqlalchemy.orm import Session
 from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
 from cgstore.core.names import is_reserved_owner
 from cgstore.repos.models import Repo
-from cgstore.tokens.keys import KeyRing
+from cgstore.tokens.ring import KeyRing
 
 # Records re-signed per query when a key retires (bounded memory, whatever the table's size).
 _RESIGN_BATCH = 500

@@ -294,7 +294,7 @@ def _try_insert(
 def _stamp(ctx: StoreContext, session: Session, target: Repo, row: CompiledGraph, manifest: Manifest) -> None:
     """Sign ``row``'s receipt; ``manifest``'s components are the record's (the same component set)."""
     receipts.stamp(
-        session, ctx.tokens.keys, issuer=ctx.settings.token_issuer, repo=f"{target.owner}/{target.name}", row=row,
+        session, ctx.tokens.ring, issuer=ctx.settings.token_issuer, repo=f"{target.owner}/{target.name}", row=row,
         components=((c.name, c.digest) for c in manifest.components),
     )
 

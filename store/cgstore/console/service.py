@@ -57,7 +57,7 @@ from cgstore.core.errors import BadRequest, KeyConflict, NameUnknown
 from cgstore.core.names import validate_owner, validate_repo
 from cgstore.operations import leases
 from cgstore.tokens.claims import Claims
-from cgstore.tokens.keys import KeyInfo
+from cgstore.tokens.ring import KeyInfo
 from cgstore.tokens.service import TokenInfo
 
 #: Rows per page of the records, audit and tokens pages (each at most its JSON listing's bound).
@@ -247,7 +247,7 @@ def record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str) -
         found = admin.shown(session, key, repo=f"{owner}/{repo}")
         if not found:
             raise NameUnknown("no live record of this key in this repo", key=key[:120])
-        jwks = ctx.tokens.keys.jwks(session)
+        jwks = ctx.tokens.ring.jwks(session)
         views = []
         for shown, private in found:
             files = [("artifact (.pt2)", shown.manifest.artifact.digest, shown.manifest.artifact.size)]
@@ -314,7 +314,7 @@ def tokens(ctx: StoreContext, claims: Claims, sub: str | None, cursor: str | Non
     is_admin(claims).enforce()
     page = ctx.tokens.list_tokens(sub, cursor=cursor, limit=page_limit(limit, MAX_TOKEN_PAGE))
     with ctx.db.session() as session:
-        keys = ctx.tokens.keys.list_keys(session)
+        keys = ctx.tokens.ring.list_keys(session)
     return TokensView(page.tokens, ctx.tokens.chains(t.jti for t in page.tokens), page.next_cursor, keys)
 
 

@@ -40,7 +40,7 @@ from cgstore.context import StoreContext
 from cgstore.core.db import utcnow
 from cgstore.core.errors import BlobUnknown, NameUnknown
 from cgstore.core.names import validate_owner, validate_repo
-from cgstore.operations.health import set_blob_health
+from cgstore.operations.blob_health import set_blob_health
 from cgstore.operations.leases import HeldLease
 from cgstore.operations.models import ScrubCursor
 from cgstore.operations.ratelimit import TokenBucket

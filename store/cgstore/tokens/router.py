@@ -92,7 +92,7 @@ async def keys(ctx: StoreContext = Depends(get_context)) -> Jwks:
 
 def _jwks(ctx: StoreContext) -> list[dict[str, str]]:
     with ctx.db.session() as session:
-        return ctx.tokens.keys.jwks(session)
+        return ctx.tokens.ring.jwks(session)
 
 
 def _grants(grants: list[GrantSpec]) -> list[dict]:

@@ -1,6 +1,6 @@
 """Cap-tokens: issuance (mint, attenuate), verification, revocation and listing.
 
-A cap-token is an EdDSA (Ed25519) JWT signed by the key ring (tokens/keys.py).
+A cap-token is an EdDSA (Ed25519) JWT signed by the key ring (tokens/ring.py).
 Its claims (docs/protocol.md, "Tokens"): ``iss``, ``aud`` = ``cgstore``, ``sub``
 (principal), ``iat``, ``exp``, ``jti``, ``plt`` (platform), ``grants``, and
 ``parent`` (jti) when attenuated; ``nbf`` is honoured when present.
@@ -58,7 +58,7 @@ from cgstore.tokens.claims import (
     valid_sub,
 )
 from cgstore.tokens.grants import Grant, GrantInvalid, grants_to_json, literal_owners, parse_grants
-from cgstore.tokens.keys import KID_LEN, KeyRing, KeyRow
+from cgstore.tokens.ring import KID_LEN, KeyRing, KeyRow
 from cgstore.tokens.models import TokenRecord
 
 # Clock skew tolerated between this process and whoever judges "now" elsewhere.
@@ -110,16 +110,16 @@ class TokenService:
         db: Database,
         settings: Settings,
         *,
-        keys: KeyRing | None = None,
+        ring: KeyRing | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._db = db
         self._issuer = settings.token_issuer
-        self._keys = keys or KeyRing(db, settings)
+        self._keys = ring or KeyRing(db, settings)
         self._clock = clock  # injectable so tests can move time instead of sleeping
 
     @property
-    def keys(self) -> KeyRing:
+    def ring(self) -> KeyRing:
         return self._keys
 
     @property
