@@ -14,7 +14,6 @@ from starlette.concurrency import run_in_threadpool
 
 from cgstore import __version__
 from cgstore.admin.router import router as admin_router
-from cgstore.audit import chain
 from cgstore.audit.denials import DenialLog, audit_denial
 from cgstore.audit.router import router as audit_router
 from cgstore.blobs import service as blobs_service
@@ -32,7 +31,7 @@ from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.core.private import private_dir
 from cgstore.core.serving import freeze_startup_heap, thaw_heap
 from cgstore.health.router import router as health_router
-from cgstore.operations import gc, leases, scrub
+from cgstore.operations import checkpoints, gc, leases, scrub
 from cgstore.operations import service as operations
 from cgstore.owners.router import router as owners_router
 from cgstore.repos.router import router as repos_router
@@ -74,7 +73,7 @@ def _background_tasks(ctx: StoreContext) -> list[asyncio.Task]:
         (leases.UPLOAD_REAPER, ctx.settings.reaper_interval_s, operations.reap_sessions),
         (leases.GC, ctx.settings.gc_interval_s, gc.collect_garbage),
         (leases.SCRUB, ctx.settings.scrub_interval_s, scrub.scrub_round),
-        (leases.AUDIT_CHECKPOINT, ctx.settings.audit_checkpoint_interval_s, chain.checkpoint_round),
+        (leases.AUDIT_CHECKPOINT, ctx.settings.audit_checkpoint_interval_s, checkpoints.checkpoint_round),
     ]
     return [
         asyncio.create_task(operations.run_periodically(ctx, name, interval_s, task))

@@ -49,8 +49,6 @@ from cgstore.audit.models import AuditCheckpoint, AuditEvent, AuditHead
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
 
 if TYPE_CHECKING:
-    from cgstore.context import StoreContext
-    from cgstore.operations.leases import HeldLease
     from cgstore.tokens.ring import KeyRing
 
 GENESIS = "0" * 64
@@ -125,12 +123,6 @@ def checkpoint(session: Session, keys: KeyRing, *, issuer: str) -> AuditCheckpoi
     if not insert_ignoring_conflicts(session, AuditCheckpoint, **row):
         return None
     return AuditCheckpoint(**row)
-
-
-def checkpoint_round(ctx: StoreContext, lease: HeldLease) -> int:
-    """The periodic task: 1 when it signed a new checkpoint, else 0."""
-    with ctx.db.session() as session:
-        return int(checkpoint(session, ctx.tokens.ring, issuer=ctx.settings.token_issuer) is not None)
 
 
 def ring_public_keys(session: Session) -> dict[str, Ed25519PublicKey]:
