@@ -256,7 +256,7 @@ def test_s3_parts_upload_concurrently_and_in_flight_is_bounded(s3_server, tmp_pa
     case = build_storage_case("s3", tmp_path, s3_server)
     storage, lock = case.storage, threading.Lock()
     in_flight, most = 0, 0
-    upload_part = storage._upload_part
+    upload_part = storage.objects.upload_part
 
     def counted_upload_part(*args):  # our own call, counted; S3 is still the real one
         nonlocal in_flight, most
@@ -270,7 +270,7 @@ def test_s3_parts_upload_concurrently_and_in_flight_is_bounded(s3_server, tmp_pa
             with lock:
                 in_flight -= 1
 
-    storage._upload_part = counted_upload_part
+    storage.objects.upload_part = counted_upload_part
     data = big_data * 2  # 7 parts
     write_blob(storage, data, chunk=MiB)
     assert 2 <= most <= S3_TEST_CONCURRENCY
@@ -459,7 +459,7 @@ def count_s3_calls(case: StorageCase, *operations: str) -> dict[str, int]:
     for operation in operations:
         def count(operation=operation, **_):
             counts[operation] += 1
-        for client in (case.storage.client, case.storage._complete_client):
+        for client in (case.storage.client, case.storage.objects.complete_client):
             client.meta.events.register(f"before-call.s3.{operation}", count)
     return counts
 
@@ -824,7 +824,7 @@ def complete_hook(case: StorageCase, action: str) -> dict[str, list]:
         if "Error" in parsed:
             seen["errors"].append(parsed["Error"].get("Code"))
 
-    for client in (case.storage.client, case.storage._complete_client):
+    for client in (case.storage.client, case.storage.objects.complete_client):
         client.meta.events.register("before-parameter-build.s3.CompleteMultipartUpload", out_of_band)
         client.meta.events.register("after-call.s3.CompleteMultipartUpload", answered)
     return seen
@@ -974,7 +974,7 @@ def test_s3_part_buffers_are_pooled_reused_and_bounded(s3_server, tmp_path):
     """Part buffers come from the storage's pool: sequential writes reuse the same few, and
     concurrent writes never hold more than the pool's bound (they wait for one instead)."""
     case = build_storage_case("s3", tmp_path, s3_server)
-    storage, buffers = case.storage, case.storage._buffers
+    storage, buffers = case.storage, case.storage.objects.buffers
     assert buffers.limit == max(8, 2 * S3_TEST_CONCURRENCY)
     most_allocated, done = 0, threading.Event()
 

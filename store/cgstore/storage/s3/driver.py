@@ -6,9 +6,11 @@ driver (``writer.py``). Keys under the optional prefix are the same as the fs
 driver's: ``blobs/<hex[:2]>/<hex>`` for blobs, ``uploads/<session_id>/…`` for
 staged uploads.
 
-``S3Storage`` is the driver's face: configuration, keys, the object
-primitives and the operations. Its jobs live beside it: streaming writes
-(``multipart.py``), staged uploads (``staging.py``), the error mapping
+``S3Storage`` is the driver's face: configuration, the object primitives and
+the operations. It composes its parts, each with a narrow interface: the
+``Bucket`` (clients, keys, the multipart calls, part buffers; ``multipart.py``,
+with the streaming writes), the staged uploads (``staging.py``, given the
+bucket and the verification above the driver), the error mapping
 (``errors.py``), presigning (``../presign.py``).
 
 Flexible checksums (CRC headers, botocore ≥ 1.36) are only sent when an
@@ -18,7 +20,6 @@ integrity rests on TLS; stored bytes are re-verifiable by blake3 sweeps.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from urllib.parse import urlparse
@@ -29,23 +30,12 @@ from botocore.exceptions import ClientError
 
 from cgstore.core.errors import Unavailable
 from cgstore.settings import parse_s3_url
-from cgstore.storage import hashing
 from cgstore.storage.base import ObjectInfo, ObjectMissing, Storage
-from cgstore.storage.hashing import check_session_id
 from cgstore.storage.presign import BatchPresigner
 from cgstore.storage.s3.errors import error_code, is_missing, s3_errors, stream_body
-from cgstore.storage.s3.multipart import (
-    BUFFER_WAIT_S,
-    MAX_PARTS,
-    MIN_PART_BYTES,
-    MiB,
-    ActiveUploads,
-    MultipartCalls,
-    PartBuffers,
-    StreamingUpload,
-)
+from cgstore.storage.s3.multipart import MIN_PART_BYTES, Bucket, MiB, StreamingUpload
 from cgstore.storage.s3.staging import StagedUploads
-from cgstore.storage.writer import PendingObject
+from cgstore.storage.writer import PendingObject, StagedUpload, StageWriter
 
 DELETE_BATCH_KEYS = 1000  # S3's ceiling on keys per DeleteObjects request
 # Assembling a multi-GiB object can take minutes (moto: 7-11 s per GiB); a
@@ -81,7 +71,7 @@ def _client_config(
         # S3-compatible stores (MinIO, Ceph, moto) rarely serve virtual-host names.
         options["s3"] = {"addressing_style": "path"}
     return Config(**options)
-class S3Storage(StagedUploads, MultipartCalls, Storage):
+class S3Storage(Storage):
     """Objects and staged uploads in one bucket, under an optional key prefix."""
 
     supports_presign = True
@@ -123,15 +113,20 @@ class S3Storage(StagedUploads, MultipartCalls, Storage):
         # A session per storage: boto3's default session is not thread-safe to build clients from.
         session = boto3.session.Session()
         self.client = session.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
-        # Only CompleteMultipartUpload and UploadPartCopy may take minutes (see the module docstring).
-        self._complete_client = session.client(
+        # Only CompleteMultipartUpload and UploadPartCopy may take minutes (see multipart.py).
+        complete_client = session.client(
             "s3",
             endpoint_url=endpoint_url,
             region_name=region,
             config=config.merge(Config(read_timeout=complete_read_timeout_s)),
         )
-        self._buffers = PartBuffers(limit=max(8, 2 * max_concurrency), wait_s=BUFFER_WAIT_S)
-        self._active = ActiveUploads()
+        self.objects = Bucket(
+            self.client, complete_client, bucket, prefix=self.prefix, part_bytes=part_bytes,
+            max_concurrency=max_concurrency,
+        )
+        self.staging = StagedUploads(
+            self.objects, writer=self.writer, staged_verifier=self.staged_verifier, max_blob_bytes=max_blob_bytes
+        )
         # Presigned URLs name the host clients reach, which may differ from ours.
         if public_endpoint_url and public_endpoint_url != endpoint_url:
             public_config = _client_config(
@@ -168,28 +163,18 @@ class S3Storage(StagedUploads, MultipartCalls, Storage):
     # -- keys ------------------------------------------------------------------------
     def key(self, relative: str) -> str:
         """The object key of ``relative`` (``blobs/…``, ``uploads/…``) under the prefix."""
-        return self.prefix + relative
+        return self.objects.key(relative)
 
     def blob_key(self, digest: str) -> str:
         """The object key of the blob ``digest``."""
-        return self.key(hashing.blob_key(hashing.parse_digest(digest)))
-
-    def _staging_prefix(self, session_id: str) -> str:
-        return self.key(f"uploads/{check_session_id(session_id)}/")
-
-    def _part_bytes_for(self, size: int | None) -> int:
-        """The configured part size, grown (whole MiB) when a known size needs > 10 000 parts."""
-        if size is None:
-            return self.part_bytes
-        needed = math.ceil(math.ceil(size / MAX_PARTS) / MiB) * MiB
-        return max(self.part_bytes, needed)
+        return self.objects.blob_key(digest)
 
     # -- object primitives ---------------------------------------------------------------
     def open_write(self, key: str, size_hint: int | None = None) -> PendingObject:
-        return StreamingUpload(self, self.key(key), self._part_bytes_for(size_hint))
+        return StreamingUpload(self.objects, self.key(key), self.objects.part_bytes_for(size_hint))
 
     def stat(self, key: str) -> int | None:
-        return self._object_size(self.key(key))
+        return self.objects.object_size(self.key(key))
 
     def read_range(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         if end is not None and end == start:  # S3 has no empty Range; still answer "absent"
@@ -268,13 +253,23 @@ class S3Storage(StagedUploads, MultipartCalls, Storage):
         """
         cutoff = datetime.now(UTC) - timedelta(seconds=older_than_s)
         idle_s = max(older_than_s, LIVE_WRITER_GRACE_S)
-        return self._abort_multipart_uploads(self.key("blobs/"), initiated_before=cutoff, spare_idle_s=idle_s)
+        return self.objects.abort_multipart_uploads(self.key("blobs/"), initiated_before=cutoff, spare_idle_s=idle_s)
 
-    def _object_size(self, key: str) -> int | None:
-        with s3_errors("size"):
-            try:
-                return self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
-            except ClientError as exc:
-                if is_missing(exc):
-                    return None
-                raise
+    # -- staged uploads (staging.py) ---------------------------------------------------------
+    def stage_begin(self, session_id: str) -> StagedUpload:
+        return self.staging.stage_begin(session_id)
+
+    def _stage_writer(self, staged: StagedUpload) -> StageWriter:  # the hook base.Storage.stage_append calls
+        return self.staging.chunk_writer(staged)
+
+    def stage_discard(self, before: StagedUpload, after: StagedUpload) -> None:
+        self.staging.stage_discard(before, after)
+
+    def stage_commit(self, staged: StagedUpload, digest: str) -> int:
+        return self.staging.stage_commit(staged, digest)
+
+    def stage_abort(self, staged: StagedUpload) -> None:
+        self.staging.stage_abort(staged)
+
+    def staged_sessions(self, written_before: datetime) -> list[str]:
+        return self.staging.staged_sessions(written_before)

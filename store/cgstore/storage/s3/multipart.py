@@ -66,21 +66,20 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from botocore.exceptions import ClientError
 
 from cgstore.core.errors import TooLarge, Unavailable
-from cgstore.storage.s3.errors import error_code, s3_errors
+from cgstore.storage import hashing
+from cgstore.storage.hashing import check_session_id
+from cgstore.storage.s3.errors import error_code, is_missing, s3_errors
 from cgstore.storage.writer import PendingObject
-
-if TYPE_CHECKING:  # the driver composes this module's parts; they only name it
-    from cgstore.storage.s3.driver import S3Storage
 
 logger = logging.getLogger(__name__)
 
@@ -94,56 +93,105 @@ BUFFER_WAIT_S = 120.0
 CONTENT_TYPE = "application/octet-stream"
 
 
-class MultipartCalls:
-    """The driver's S3 calls for multipart uploads and single PUTs (mixed into ``S3Storage``)."""
+class Bucket:
+    """The bucket as the driver's parts use it: its clients, the key prefix, the S3 calls of
+    single PUTs and multipart uploads, the pool of part buffers and this process's open
+    uploads. The driver, the streaming writes and the staged uploads share one; none of
+    them reaches into another."""
 
-    def _put(self, key: str, body: bytearray | ViewsReader) -> None:
+    def __init__(
+        self, client, complete_client, name: str, *, prefix: str, part_bytes: int, max_concurrency: int
+    ) -> None:
+        self.client = client
+        # Only CompleteMultipartUpload and UploadPartCopy may take minutes (see the module docstring).
+        self.complete_client = complete_client
+        self.name = name
+        self.prefix = prefix
+        self.part_bytes = part_bytes
+        self.max_concurrency = max_concurrency
+        self.buffers = PartBuffers(limit=max(8, 2 * max_concurrency), wait_s=BUFFER_WAIT_S)
+        self.active = ActiveUploads()
+
+    # -- keys ------------------------------------------------------------------------
+    def key(self, relative: str) -> str:
+        """The object key of ``relative`` (``blobs/…``, ``uploads/…``) under the prefix."""
+        return self.prefix + relative
+
+    def blob_key(self, digest: str) -> str:
+        """The object key of the blob ``digest``."""
+        return self.key(hashing.blob_key(hashing.parse_digest(digest)))
+
+    def staging_prefix(self, session_id: str) -> str:
+        """The prefix of one upload session's staged chunk objects."""
+        return self.key(f"uploads/{check_session_id(session_id)}/")
+
+    def part_bytes_for(self, size: int | None) -> int:
+        """The configured part size, grown (whole MiB) when a known size needs > 10 000 parts."""
+        if size is None:
+            return self.part_bytes
+        needed = math.ceil(math.ceil(size / MAX_PARTS) / MiB) * MiB
+        return max(self.part_bytes, needed)
+
+    # -- objects ---------------------------------------------------------------------------
+    def object_size(self, key: str) -> int | None:
+        """The size of the object at the full ``key``, or None when there is none."""
+        with s3_errors("size"):
+            try:
+                return self.client.head_object(Bucket=self.name, Key=key)["ContentLength"]
+            except ClientError as exc:
+                if is_missing(exc):
+                    return None
+                raise
+
+    def holds(self, key: str, size: int) -> bool:
+        """Whether an object of ``size`` bytes is at ``key`` (False when that cannot be told)."""
+        try:
+            return self.object_size(key) == size
+        except Unavailable:  # the caller's own error is the one to report
+            return False
+
+    def put(self, key: str, body: bytearray | ViewsReader) -> None:
         with s3_errors("put_object"):
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, ContentType=CONTENT_TYPE)
+            self.client.put_object(Bucket=self.name, Key=key, Body=body, ContentType=CONTENT_TYPE)
 
-    def _create_multipart(self, key: str, liveness: Liveness) -> str:
-        with self._active.creating(key), s3_errors("create_multipart_upload"):
-            response = self.client.create_multipart_upload(Bucket=self.bucket, Key=key, ContentType=CONTENT_TYPE)
+    # -- multipart uploads ---------------------------------------------------------------------
+    def create_multipart(self, key: str, liveness: Liveness) -> str:
+        with self.active.creating(key), s3_errors("create_multipart_upload"):
+            response = self.client.create_multipart_upload(Bucket=self.name, Key=key, ContentType=CONTENT_TYPE)
             upload_id = response["UploadId"]
             # Before leaving creating(): no moment a sweep could take it for an orphan.
-            self._active.add(upload_id, liveness)
+            self.active.add(upload_id, liveness)
         return upload_id
 
-    def _upload_part(self, key: str, upload_id: str, part_number: int, body: bytearray | ViewsReader) -> dict:
+    def upload_part(self, key: str, upload_id: str, part_number: int, body: bytearray | ViewsReader) -> dict:
         with s3_errors("upload_part"):
             response = self.client.upload_part(
-                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=part_number, Body=body
+                Bucket=self.name, Key=key, UploadId=upload_id, PartNumber=part_number, Body=body
             )
         return {"PartNumber": part_number, "ETag": response["ETag"]}
 
-    def _complete_multipart(self, key: str, upload_id: str, parts: list[dict], size: int) -> None:
+    def complete_multipart(self, key: str, upload_id: str, parts: list[dict], size: int) -> None:
         """Complete, idempotently: an object of the verified ``size`` already at ``key`` is success."""
         try:
             with s3_errors("complete_multipart_upload"):
-                self._complete_client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                self.complete_client.complete_multipart_upload(
+                    Bucket=self.name, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
                 )
         except Unavailable:
             # NoSuchUpload, a 5xx or a timeout after the retries: an earlier attempt
             # may have completed it, its answer lost. Our keys are ours alone
             # (content-addressed or random), so an object of our size is our bytes.
-            if not self._holds(key, size):
+            if not self.holds(key, size):
                 raise
             logger.info("completing %s failed, but an earlier attempt had completed it (%d bytes)", key, size)
-        self._active.discard(upload_id)
+        self.active.discard(upload_id)
 
-    def _holds(self, key: str, size: int) -> bool:
-        try:
-            return self._object_size(key) == size
-        except Unavailable:  # the complete's own error is the one to report
-            return False
-
-    def _abort_multipart(self, key: str, upload_id: str) -> None:
+    def abort_multipart(self, key: str, upload_id: str) -> None:
         """Abort on an error path: never raise over the original error, but say what leaked."""
         try:
             with s3_errors("abort_multipart_upload"):
                 try:
-                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                    self.client.abort_multipart_upload(Bucket=self.name, Key=key, UploadId=upload_id)
                 except ClientError as exc:
                     if error_code(exc)[0] != "NoSuchUpload":  # already gone is what we wanted
                         raise
@@ -152,9 +200,9 @@ class MultipartCalls:
                 "abort of multipart upload %s on %s failed (sweep_orphans or stage_abort reclaims it): %s", upload_id, key, exc
             )
         finally:
-            self._active.discard(upload_id)
+            self.active.discard(upload_id)
 
-    def _abort_multipart_uploads(
+    def abort_multipart_uploads(
         self, prefix: str, initiated_before: datetime | None = None, spare_idle_s: float | None = None
     ) -> int:
         """Abort the open multipart uploads under ``prefix``; return how many. Optionally
@@ -163,15 +211,15 @@ class MultipartCalls:
         aborted = 0
         with s3_errors("list_multipart_uploads"):
             paginator = self.client.get_paginator("list_multipart_uploads")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            for page in paginator.paginate(Bucket=self.name, Prefix=prefix):
                 for upload in page.get("Uploads", []):
                     if initiated_before is not None and upload["Initiated"] >= initiated_before:
                         continue
-                    if spare_idle_s is not None and self._active.live(upload["Key"], upload["UploadId"], spare_idle_s):
+                    if spare_idle_s is not None and self.active.live(upload["Key"], upload["UploadId"], spare_idle_s):
                         continue
                     try:
                         self.client.abort_multipart_upload(
-                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                            Bucket=self.name, Key=upload["Key"], UploadId=upload["UploadId"]
                         )
                     except ClientError as exc:
                         if error_code(exc)[0] != "NoSuchUpload":  # raced with its own abort
@@ -349,8 +397,8 @@ class StreamingUpload(PendingObject):
     key until ``publish``; ``discard`` drops it all.
     """
 
-    def __init__(self, storage: S3Storage, key: str, part_bytes: int) -> None:
-        self._storage = storage
+    def __init__(self, bucket: Bucket, key: str, part_bytes: int) -> None:
+        self._bucket = bucket
         self._key = key
         self._part_bytes = part_bytes
         self._chunks: list[memoryview] | None = []  # None once the stream outgrew one part
@@ -361,12 +409,12 @@ class StreamingUpload(PendingObject):
         self._pool: ThreadPoolExecutor | None = None
         self._parts: list[Future] = []
         # Bounds parts in flight: write() blocks on it.
-        self._slots = threading.Semaphore(storage.max_concurrency)
+        self._slots = threading.Semaphore(bucket.max_concurrency)
         self._failure: BaseException | None = None
         self._liveness = Liveness()  # what keeps sweep_orphans off this upload
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        with self._storage._active.busy(self._liveness):  # may block long on parts or buffers
+        with self._bucket.active.busy(self._liveness):  # may block long on parts or buffers
             self._write(data)
 
     def _write(self, data: bytes | bytearray | memoryview) -> None:
@@ -385,13 +433,13 @@ class StreamingUpload(PendingObject):
     def publish(self) -> None:
         """Make the bytes visible at the key (the verifier above has checked them)."""
         if self._chunks is not None:  # never outgrew one part: no multipart upload
-            self._storage._put(self._key, ViewsReader(self._chunks))
+            self._bucket.put(self._key, ViewsReader(self._chunks))
             self._chunks = []
             return
-        with self._storage._active.busy(self._liveness):  # completing may take minutes
+        with self._bucket.active.busy(self._liveness):  # completing may take minutes
             self._send_part()  # the last part: the only one allowed below 5 MiB
             parts = [future.result() for future in self._parts]  # re-raises a part's failure
-            self._storage._complete_multipart(self._key, self._upload_id, parts, self._written)
+            self._bucket.complete_multipart(self._key, self._upload_id, parts, self._written)
         self._upload_id = None  # completed: nothing left to abort
         self._shutdown_pool()
 
@@ -401,17 +449,17 @@ class StreamingUpload(PendingObject):
         self._shutdown_pool()  # parts in flight give their buffers back as they end
         if self._buffer is not None:
             buffer, self._buffer = self._buffer, None
-            self._storage._buffers.release(buffer)
+            self._bucket.buffers.release(buffer)
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
-            self._storage._abort_multipart(self._key, upload_id)
+            self._bucket.abort_multipart(self._key, upload_id)
 
     def _gather(self, piece: memoryview) -> None:
         if self._chunks is not None:
             self._chunks.append(piece)
         else:
             if self._buffer is None:  # may wait for a buffer: backpressure
-                self._buffer = self._storage._buffers.acquire(self._part_bytes)
+                self._buffer = self._bucket.buffers.acquire(self._part_bytes)
             self._buffer[self._filled : self._filled + len(piece)] = piece
         self._filled += len(piece)
         self._written += len(piece)
@@ -420,8 +468,8 @@ class StreamingUpload(PendingObject):
         if self._failure is not None:  # fail fast: stop reading the client's stream
             raise self._failure
         if self._upload_id is None:
-            self._upload_id = self._storage._create_multipart(self._key, self._liveness)
-            self._pool = ThreadPoolExecutor(self._storage.max_concurrency, thread_name_prefix="cgstore-s3-part")
+            self._upload_id = self._bucket.create_multipart(self._key, self._liveness)
+            self._pool = ThreadPoolExecutor(self._bucket.max_concurrency, thread_name_prefix="cgstore-s3-part")
         part_number = len(self._parts) + 1
         if part_number > MAX_PARTS:
             raise TooLarge("blob needs more than 10000 parts; declare its size up front", parts=MAX_PARTS)
@@ -438,12 +486,12 @@ class StreamingUpload(PendingObject):
         self._parts.append(future)
 
     def _upload_part(self, upload_id: str, part_number: int, body: bytearray | ViewsReader) -> dict:
-        with self._storage._active.busy(self._liveness):
-            return self._storage._upload_part(self._key, upload_id, part_number, body)
+        with self._bucket.active.busy(self._liveness):
+            return self._bucket.upload_part(self._key, upload_id, part_number, body)
 
     def _chunks_into_buffer(self) -> None:
         """The stream outgrew one PUT: move its first part from the caller's chunks into a pool buffer."""
-        buffer = self._storage._buffers.acquire(self._part_bytes)
+        buffer = self._bucket.buffers.acquire(self._part_bytes)
         offset = 0
         for chunk in self._chunks:
             buffer[offset : offset + len(chunk)] = chunk
@@ -453,7 +501,7 @@ class StreamingUpload(PendingObject):
     def _part_done(self, buffer: bytearray, future: Future) -> None:
         # Runs once upload_part returned (or the part was cancelled unsent):
         # only then may another part overwrite the buffer.
-        self._storage._buffers.release(buffer)
+        self._bucket.buffers.release(buffer)
         self._slots.release()
         if not future.cancelled() and future.exception() is not None and self._failure is None:
             self._failure = future.exception()

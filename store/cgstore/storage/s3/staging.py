@@ -42,10 +42,9 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from botocore.exceptions import ClientError
 
@@ -53,24 +52,39 @@ from cgstore.core.errors import BlobUploadUnknown, DigestInvalid, SizeInvalid, U
 from cgstore.storage import hashing
 from cgstore.storage.hashing import check_session_id
 from cgstore.storage.s3.errors import error_code, is_missing, s3_errors, stream_body
-from cgstore.storage.s3.multipart import MAX_PARTS, MIN_PART_BYTES, Liveness, StreamingUpload, ViewsReader
-from cgstore.storage.writer import StagedUpload, StageWriter
-
-if TYPE_CHECKING:  # the driver mixes this module's operations in; the writer only names it
-    from cgstore.storage.s3.driver import S3Storage
+from cgstore.storage.s3.multipart import MAX_PARTS, MIN_PART_BYTES, Bucket, Liveness, StreamingUpload, ViewsReader
+from cgstore.storage.writer import BlobWriter, StagedUpload, StageWriter
 
 MAX_PART_BYTES = 5 << 30  # S3's ceiling on one part (UploadPartCopy ranges included)
 
 
 class StagedUploads:
-    """The driver's staged-upload operations (mixed into ``S3Storage``)."""
+    """The driver's staged-upload operations, over its bucket.
+
+    What verifies lives above the driver (``base.Storage``): the driver hands its
+    verified ``writer`` and ``staged_verifier`` in, so nothing here needs the driver.
+    """
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        *,
+        writer: Callable[[str, int | None], BlobWriter],
+        staged_verifier: Callable[[StagedUpload, str], hashing.StreamVerifier | None],
+        max_blob_bytes: int | None,
+    ) -> None:
+        self.bucket = bucket
+        self._verified_writer = writer
+        self._staged_verifier = staged_verifier
+        self._max_blob_bytes = max_blob_bytes
 
     def stage_begin(self, session_id: str) -> StagedUpload:
         check_session_id(session_id)
         return StagedUpload(session_id=session_id, offset=0, state={"chunks": []})
 
-    def _stage_writer(self, staged: StagedUpload) -> StageWriter:
-        return S3StageWriter(self, staged)
+    def chunk_writer(self, staged: StagedUpload) -> StageWriter:
+        """The writer of one append: one new chunk object."""
+        return S3StageWriter(self.bucket, staged)
 
     def stage_discard(self, before: StagedUpload, after: StagedUpload) -> None:
         chunks = after.state.get("chunks", [])
@@ -78,14 +92,14 @@ class StagedUploads:
             return
         name = chunks[-1][2]  # the one this append added; its random name is no other's
         with s3_errors("stage_discard"):
-            self.client.delete_object(
-                Bucket=self.bucket, Key=self._staging_prefix(after.session_id) + check_session_id(name)
+            self.bucket.client.delete_object(
+                Bucket=self.bucket.name, Key=self.bucket.staging_prefix(after.session_id) + check_session_id(name)
             )
 
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         # parse_digest refuses a malformed digest before anything is dropped: that
         # is a bad request, not evidence that the staged bytes are wrong.
-        final_key = self.key(hashing.blob_key(hashing.parse_digest(digest)))
+        final_key = self.bucket.blob_key(digest)
         chunks = self._staged_chunk_keys(staged)
         pieces = copy_plan(chunks)
         try:
@@ -104,16 +118,16 @@ class StagedUploads:
 
     def _verify_staged(self, staged: StagedUpload, chunks: list[tuple[str, int]], digest: str) -> None:
         """Verify the staged stream: from the appends' hash, else by reading it back."""
-        verifier = self.staged_verifier(staged, digest)
+        verifier = self._staged_verifier(staged, digest)
         if verifier is None:
-            verifier = hashing.StreamVerifier(digest, staged.offset, self.max_blob_bytes)
+            verifier = hashing.StreamVerifier(digest, staged.offset, self._max_blob_bytes)
             for data in self._staged_bytes(staged, chunks):
                 verifier.update(data)
         verifier.verify()
 
     def _rewrite_staged(self, staged: StagedUpload, chunks: list[tuple[str, int]], digest: str) -> None:
         """Stream the chunk objects in order through a verified write onto the blob key."""
-        with self.writer(digest, staged.offset) as writer:
+        with self._verified_writer(digest, staged.offset) as writer:
             for data in self._staged_bytes(staged, chunks):
                 writer.write(data)
             writer.commit()
@@ -126,33 +140,34 @@ class StagedUploads:
         """Join the verified chunk objects at ``final_key`` inside S3 (UploadPartCopy): no byte
         crosses this server again. Invisible until the completion, aborted on any failure."""
         if not pieces:  # an empty blob
-            self._put(final_key, ViewsReader([]))
+            self.bucket.put(final_key, ViewsReader([]))
             return
         liveness = Liveness()
-        upload_id = self._create_multipart(final_key, liveness)
+        upload_id = self.bucket.create_multipart(final_key, liveness)
         try:
-            with self._active.busy(liveness), ThreadPoolExecutor(self.max_concurrency) as pool:
+            with self.bucket.active.busy(liveness), ThreadPoolExecutor(self.bucket.max_concurrency) as pool:
                 copies = [
                     pool.submit(self._copy_part, final_key, upload_id, number, piece, staged)
                     for number, piece in enumerate(pieces, start=1)
                 ]
                 parts = [copy.result() for copy in copies]
-                self._complete_multipart(final_key, upload_id, parts, staged.offset)
+                self.bucket.complete_multipart(final_key, upload_id, parts, staged.offset)
         except BaseException:
-            self._abort_multipart(final_key, upload_id)
+            self.bucket.abort_multipart(final_key, upload_id)
             raise
-        if self._object_size(final_key) != staged.offset:
+        if self.bucket.object_size(final_key) != staged.offset:
             # A staged object shorter than recorded (tampered with): never leave it visible.
-            self.delete_key(final_key.removeprefix(self.prefix))
+            with s3_errors("delete"):
+                self.bucket.client.delete_object(Bucket=self.bucket.name, Key=final_key)
             raise BlobUploadUnknown("staged bytes are missing", session_id=staged.session_id)
 
     def _copy_part(self, key: str, upload_id: str, number: int, piece: tuple[str, int, int], staged: StagedUpload) -> dict:
         source, start, end = piece
         with s3_errors("upload_part_copy"):
             try:
-                response = self._complete_client.upload_part_copy(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                    CopySource={"Bucket": self.bucket, "Key": source}, CopySourceRange=f"bytes={start}-{end - 1}",
+                response = self.bucket.complete_client.upload_part_copy(
+                    Bucket=self.bucket.name, Key=key, UploadId=upload_id, PartNumber=number,
+                    CopySource={"Bucket": self.bucket.name, "Key": source}, CopySourceRange=f"bytes={start}-{end - 1}",
                 )
             except ClientError as exc:
                 if is_missing(exc) or error_code(exc)[0] == "InvalidRange":
@@ -167,7 +182,7 @@ class StagedUploads:
             if offset != expected_offset:
                 raise BlobUploadUnknown("staged chunks are not contiguous", session_id=staged.session_id)
             # The name comes back from the database: it must still be one safe key segment.
-            keys.append((self._staging_prefix(staged.session_id) + check_session_id(name), length))
+            keys.append((self.bucket.staging_prefix(staged.session_id) + check_session_id(name), length))
             expected_offset += length
         if expected_offset != staged.offset:
             raise BlobUploadUnknown("staged chunks do not reach the offset", session_id=staged.session_id)
@@ -176,7 +191,7 @@ class StagedUploads:
     def _read_staged_chunk(self, staged: StagedUpload, key: str, length: int) -> Iterator[bytes]:
         with s3_errors("stage_commit"):
             try:
-                response = self.client.get_object(Bucket=self.bucket, Key=key)
+                response = self.bucket.client.get_object(Bucket=self.bucket.name, Key=key)
             except ClientError as exc:
                 if is_missing(exc):
                     raise BlobUploadUnknown("staged bytes are missing", session_id=staged.session_id) from None
@@ -187,20 +202,20 @@ class StagedUploads:
         return stream_body(response["Body"])
 
     def stage_abort(self, staged: StagedUpload) -> None:
-        prefix = self._staging_prefix(staged.session_id)
+        prefix = self.bucket.staging_prefix(staged.session_id)
         # Open multipart uploads first: once aborted, no straggling part can
         # complete a chunk object after the deletion below.
-        self._abort_multipart_uploads(prefix)
+        self.bucket.abort_multipart_uploads(prefix)
         self._delete_prefix(prefix)
 
     def staged_sessions(self, written_before: datetime) -> list[str]:
         """Judged by the newest chunk object of each session (``LastModified``). Open
         multipart uploads of a chunk are not listed: ``stage_abort`` aborts them with
         the session's objects, and a bucket lifecycle rule reclaims any left alone."""
-        staging = self.key("uploads/")
+        staging = self.bucket.key("uploads/")
         newest: dict[str, datetime] = {}
         with s3_errors("list_objects"):
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=staging):
+            for page in self.bucket.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket.name, Prefix=staging):
                 for item in page.get("Contents", []):
                     session_id = item["Key"].removeprefix(staging).split("/", 1)[0]
                     newest[session_id] = max(item["LastModified"], newest.get(session_id, item["LastModified"]))
@@ -212,13 +227,15 @@ class StagedUploads:
 
     def _delete_prefix(self, prefix: str) -> None:
         with s3_errors("delete_objects"):
-            paginator = self.client.get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            paginator = self.bucket.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket.name, Prefix=prefix):
                 keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
                 if not keys:
                     continue
                 # A listing page holds at most 1000 keys, delete_objects' own limit.
-                response = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+                response = self.bucket.client.delete_objects(
+                    Bucket=self.bucket.name, Delete={"Objects": keys, "Quiet": True}
+                )
                 if response.get("Errors"):
                     raise Unavailable("could not delete staged objects", errors=response["Errors"][:5])
 
@@ -246,12 +263,11 @@ class S3StageWriter(StageWriter):
     Unrecorded objects are dropped with the session's prefix.
     """
 
-    def __init__(self, storage: S3Storage, staged: StagedUpload) -> None:
-        self._storage = storage
+    def __init__(self, bucket: Bucket, staged: StagedUpload) -> None:
         self._staged = staged
         self._name = f"{staged.offset:016d}-{uuid.uuid4().hex[:16]}"
-        key = storage._staging_prefix(staged.session_id) + self._name
-        self._upload = StreamingUpload(storage, key, storage.part_bytes)
+        key = bucket.staging_prefix(staged.session_id) + self._name
+        self._upload = StreamingUpload(bucket, key, bucket.part_bytes)
         self._written = 0
         self._state = "open"
 
