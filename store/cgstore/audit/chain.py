@@ -17,17 +17,28 @@ chain order, with no gaps. The lock is held until the recording transaction
 commits, which is why callers record last.
 
 Entries written before the chain existed keep ``digest`` NULL (migration
-0011): the chain starts at the first entry written after it, and ``verify``
-counts the older ones as unchained.
+0011): the chain starts at the first entry written after it,
+``audit_head.start_id`` (migration 0016). ``verify`` counts entries before the
+start as unchained; from the start on, an entry without a digest is a break,
+never "older than the chain".
 
 Checkpoints (``checkpoint``): a periodic task (``CGSTORE_AUDIT_CHECKPOINT_INTERVAL_S``,
-under a lease) signs the head, ``(audit_id, digest, iat)``, as a compact JWS
-with the key ring that signs tokens and receipts (a ``typ`` no token check
-accepts), so ``GET /v1/keys`` verifies it. Nothing after the last checkpoint is
-signed: an attacker who deletes the tail and fixes ``audit_head`` goes unseen.
-``verify`` trusts the ring's table by default; given a JWKS kept outside the
-database (``jwks_public_keys``) it trusts only that, so a key planted in the
-table signs nothing.
+under a lease) signs the head and the chain's start, ``(audit_id, digest,
+start, iat)``, as a compact JWS with the key ring that signs tokens and
+receipts (a ``typ`` no token check accepts), so ``GET /v1/keys`` verifies it.
+Every checkpoint's entry must still hold the signed digest (an entry that lost
+its digest is a break, not history), and every checkpoint must sign the start
+the oldest one signed. ``verify`` trusts the ring's table by default; given a
+JWKS kept outside the database (``jwks_public_keys``) it trusts only that, so a
+key planted in the table signs nothing.
+
+Nothing in the database vouches for the tail after the last checkpoint it
+still holds: an attacker who deletes the tail (and the checkpoints naming it)
+and fixes ``audit_head`` leaves a valid chain. So a verifier keeps checkpoints
+elsewhere (``saved_document``: the JWS and its key's JWK, verifiable offline)
+and later checks that the log extends one (``verify(saved=...)``: its entry
+still there with its digest, the head not behind it), as a transparency log's
+client checks consistency with the tree head it saw last.
 """
 
 from __future__ import annotations
