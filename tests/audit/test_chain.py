@@ -300,6 +300,9 @@ def test_keys_must_be_a_jwks(log, tmp_path):
     (tmp_path / "not.json").write_text("[1, 2]")
     result = log.cli("verify", "--keys", str(tmp_path / "not.json"))
     assert result.exit_code == 2 and "not a JWKS" in result.output
+    (tmp_path / "rsa.json").write_text(json.dumps({"keys": [{"kty": "RSA", "kid": "x"}]}))
+    result = log.cli("verify", "--keys", str(tmp_path / "rsa.json"))
+    assert result.exit_code == 2 and "not an Ed25519 JWK" in result.output, result.output
 
 
 def test_the_database_refuses_to_change_a_checkpoint_or_delete_the_head(log):
@@ -461,6 +464,12 @@ def test_a_saved_checkpoint_must_verify(log, tmp_path):
     (tmp_path / "junk.json").write_text('{"keys": []}')
     result = log.cli("verify", "--since-checkpoint", str(tmp_path / "junk.json"))
     assert result.exit_code == 2 and "not a saved checkpoint" in result.output, result.output
+
+
+def test_nothing_is_saved_before_a_checkpoint_exists(log, tmp_path):
+    result = log.cli("checkpoint", "--save", str(tmp_path / "cp.json"))
+    assert result.exit_code == 1 and "not saved: no checkpoint signed yet" in result.output, result.output
+    assert not (tmp_path / "cp.json").exists()
 
 
 @pytest.mark.parametrize("then", ["truncated", "truncated and refilled"])

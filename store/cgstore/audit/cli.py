@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
+import jwt
 import typer
 from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
 from rich.console import Console
@@ -142,6 +143,10 @@ def _read_jwks(path: Path) -> dict:
     jwks = _read_json(path, "--keys")
     if not isinstance(jwks, dict) or not isinstance(jwks.get("keys"), list):
         raise typer.BadParameter(f'{path}: not a JWKS (an object with a "keys" list)', param_hint="--keys")
+    try:
+        chain.jwks_keys(jwks)
+    except (jwt.PyJWTError, TypeError, AttributeError) as err:
+        raise typer.BadParameter(f"{path}: a key is not an Ed25519 JWK ({err})", param_hint="--keys") from None
     return jwks
 
 
