@@ -101,6 +101,19 @@ def test_with_a_public_url_redirects_and_blob_urls_are_under_it(make_store, pt2_
     assert _blob_urls(live, token, pub) == [f"{PUBLIC_URL}/v1/repos/{repo}/blobs/{digest}" for digest in digests]
 
 
+@pytest.mark.parametrize("configuration", CONFIGURATIONS)
+def test_with_a_public_url_the_console_sign_in_form_may_come_from_it(make_store, configuration):
+    """Behind a proxy that forwards another Host, the browser's Origin is the public URL's: the store's own."""
+    live = make_store(configuration, public_url=PUBLIC_URL)
+    admin = live.mint("public-url-admin", "*/*:admin")
+    with live.client(follow_redirects=False) as client:
+        from_public = client.post("/console/login", data={"token": admin}, headers={"Origin": "https://store.example"})
+        from_elsewhere = client.post("/console/login", data={"token": admin},
+                                     headers={"Origin": "https://evil.example"})
+    assert from_public.status_code == 303 and from_public.headers["location"] == f"{PUBLIC_URL}/console"
+    assert from_elsewhere.status_code == 403
+
+
 @pytest.mark.parametrize("url", ["store.example", "ftp://store.example", "https://u:p@store.example",
                                  "https://store.example/?q=1", "https://store.example/#top", "https://"])
 def test_a_public_url_that_is_no_http_url_is_refused_at_start(url):

@@ -25,7 +25,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -266,16 +266,25 @@ async def _page(
 def _cross_origin(request: Request) -> bool:
     """Whether the POST comes from a page of another origin.
 
-    ``Origin``, when it names one, must be the store's own. Under ``Referrer-Policy:
-    no-referrer`` a browser sends ``Origin: null`` even for its own forms, so then the
-    browser's ``Sec-Fetch-Site`` decides (``same-origin``); a client sending neither
-    header is no browser another site could have steered.
+    ``Origin``, when it names one, must be the store's own: the one the request was sent
+    to, or ``CGSTORE_PUBLIC_URL``'s (behind a proxy that forwards another ``Host``). Under
+    ``Referrer-Policy: no-referrer`` a browser sends ``Origin: null`` even for its own forms,
+    so then the browser's ``Sec-Fetch-Site`` decides (``same-origin``); a client sending
+    neither header is no browser another site could have steered.
     """
     origin = request.headers.get("origin")
     if origin is not None and origin != "null":
-        return origin != f"{request.url.scheme}://{request.url.netloc}"
+        return origin not in _own_origins(request)
     site = request.headers.get("sec-fetch-site")
     return (origin is not None or site is not None) and site not in ("same-origin", "none")
+
+
+def _own_origins(request: Request) -> set[str]:
+    own = {f"{request.url.scheme}://{request.url.netloc}"}
+    if public_url := request.app.state.context.settings.public_url:
+        parsed = urlsplit(public_url)
+        own.add(f"{parsed.scheme}://{parsed.netloc}")
+    return own
 
 
 async def _form(request: Request) -> dict[str, str]:
