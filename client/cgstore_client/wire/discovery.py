@@ -40,7 +40,8 @@ class DiscoverRequest(WireModel):
     binding_signature: str | None = Field(None, max_length=100)
     #: ``cf1:…`` of the model's source: narrows to records minted from the same code, when they recorded one.
     code: str | None = Field(None, max_length=100)
-    limit: int = Field(DEFAULT_DISCOVER_LIMIT, ge=1, le=MAX_DISCOVER_LIMIT)
+    #: A JSON integer: ``"4"``, ``true`` and ``4.0`` are refused, not read as 4 (or 1).
+    limit: int = Field(DEFAULT_DISCOVER_LIMIT, ge=1, le=MAX_DISCOVER_LIMIT, strict=True)
 
 
 class Candidate(ResolveHit):
