@@ -501,7 +501,7 @@ def test_an_online_boot_refuses_a_candidate_whose_receipt_a_retired_key_signed(
 ):
     live_store = make_store(configuration)  # its own key ring: retiring its key touches no other test
     repo, _, key, _ = publish_archive_a(live_store, pt2_archive, tmp_path, code_fingerprint(tiny_model(0)))
-    ring = live_store.context.tokens.keys
+    ring = live_store.context.tokens.ring
     with live_store.context.db.session() as session:
         signer, _ = ring.signing_key(session)
     with live_store.context.db.session() as session:
