@@ -217,7 +217,8 @@ class _Single:
 def _check_total(stream: Stream, size: int | None) -> None:
     if stream.total is not None and size is not None and stream.total != size:
         stream.close()
-        raise IntegrityError(f"the store serves {stream.total} bytes, expected {size}")
+        error = TooLarge if stream.total > size else IntegrityError
+        raise error(f"the store serves {stream.total} bytes, expected {size}; nothing was read")
 
 
 class _RangesIgnored(Exception):
