@@ -298,7 +298,8 @@ class Transport:
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
         # No default Authorization header: it is added per request, once the target is known to be the store.
         # Identity bodies: the answer bound then counts what was sent, not what a few compressed bytes inflate to.
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, follow_redirects=False,
+        # No environment proxies (trust_env): every call goes through the deadline transport, as blobs go direct.
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, follow_redirects=False, trust_env=False,
                                   headers={"Accept-Encoding": "identity"}, transport=_DeadlineTransport())
 
     def close(self) -> None:
