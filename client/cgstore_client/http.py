@@ -260,7 +260,14 @@ class _DeadlineTransport(httpx.BaseTransport):
     does, with sockets that honour the call's deadline)."""
 
     def __init__(self) -> None:
-        self._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(), network_backend=_DeadlineBackend())
+        defaults = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0)  # httpx's
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(),
+            max_connections=defaults.max_connections,
+            max_keepalive_connections=defaults.max_keepalive_connections,
+            keepalive_expiry=defaults.keepalive_expiry,
+            network_backend=_DeadlineBackend(),
+        )
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         core = httpcore.Request(

@@ -213,6 +213,20 @@ def test_a_blob_past_its_bound_stops_at_the_bound_and_leaves_nothing(hostile, tm
     assert list((tmp_path / "cache" / "tmp").iterdir()) == []
 
 
+def test_limits_come_from_arguments_or_the_environment_and_a_bad_value_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("CGSTORE_CALL_DEADLINE_S", "2.5")
+    monkeypatch.setenv("CGSTORE_MAX_ANSWER_BYTES", "1000")
+    with Client("http://127.0.0.1:9", "t", cache_dir=tmp_path) as client:
+        limits = client.limits
+    assert (limits.call_deadline_s, limits.max_answer_bytes, limits.min_bytes_per_s) == (2.5, 1000, 64 << 10)
+    with Client("http://127.0.0.1:9", "t", cache_dir=tmp_path, limits=Limits(max_blob_bytes=5)) as client:
+        assert (client.limits.max_blob_bytes, client.limits.call_deadline_s) == (5, 120.0)  # given: the whole set
+    for bad in ("fast", "0", "-1"):
+        monkeypatch.setenv("CGSTORE_MIN_BYTES_PER_S", bad)
+        with pytest.raises(ConfigError, match="CGSTORE_MIN_BYTES_PER_S"):
+            Client("http://127.0.0.1:9", "t", cache_dir=tmp_path)
+
+
 # --- trust anchors -------------------------------------------------------------------------------------
 
 
