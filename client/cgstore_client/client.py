@@ -89,9 +89,9 @@ def split_repo(repo: str) -> tuple[str, str]:
 def record_path(repo: object, key: object) -> str:
     """The store's path of ``repo``'s record ``key``, built here from the two names (never an answer's ``href``)."""
     try:
-        owner, name = split_repo(repo) if isinstance(repo, str) else split_repo("")
+        owner, name = split_repo(repo if isinstance(repo, str) else "")
         validate_key(key)
-    except (ConfigError, KeyInvalid) as err:
+    except (ConfigError, KeyInvalid) as err:  # names from an answer: the store's fault, not the configuration's
         raise Refused(f"the store's answer names no record the client can read: {err}") from None
     return store_path("v1", "repos", owner, name, "compiled-graphs", key)
 

@@ -88,17 +88,36 @@ class Plan:
 
 class Floor:
     """One blob download's minimum throughput: at least ``min_bytes_per_s`` over every window of
-    ``throughput_window_s``, counting the bytes of all its connections and the time between them."""
+    ``throughput_window_s`` of *busy* time, counting the bytes of all its connections.
+
+    Busy is while at least one of its connections is open or pausing before a retry (:meth:`busy`);
+    waiting for one of the client's connection slots (another blob holds them all) is not, so a
+    blob queued behind others is never judged on time it could not use.
+    """
 
     def __init__(self, limits: Limits, what: str) -> None:
         self.rate, self.window_s, self.what = limits.min_bytes_per_s, limits.throughput_window_s, what
-        self.since, self.bytes = time.monotonic(), 0
+        self.bytes, self.busy_s, self.active, self.busy_since = 0, 0.0, 0, 0.0
         self.lock = threading.Lock()
 
     @property
     def timeout_s(self) -> float:
         """How long one connection may stay silent: a window at most."""
         return min(READ_TIMEOUT_S, self.window_s)
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        with self.lock:
+            if self.active == 0:
+                self.busy_since = time.monotonic()
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.active -= 1
+                if self.active == 0:
+                    self.busy_s += time.monotonic() - self.busy_since
 
     def add(self, n: int) -> None:
         with self.lock:
@@ -108,15 +127,16 @@ class Floor:
     def check(self) -> None:
         """Raise :class:`DeadlineExceeded` when the window that just closed was below the floor."""
         with self.lock:
-            elapsed = time.monotonic() - self.since
-            if elapsed < self.window_s:
+            now = time.monotonic()
+            busy = self.busy_s + (now - self.busy_since if self.active else 0.0)
+            if busy < self.window_s:
                 return
-            if self.bytes < self.rate * elapsed:
+            if self.bytes < self.rate * busy:
                 raise DeadlineExceeded(
-                    f"{self.what}: {self.bytes} bytes in the last {elapsed:.1f} s, below the client's minimum of "
+                    f"{self.what}: {self.bytes} bytes in {busy:.1f} s, below the client's minimum of "
                     f"{self.rate} bytes/s (CGSTORE_MIN_BYTES_PER_S over CGSTORE_THROUGHPUT_WINDOW_S)"
                 )
-            self.since, self.bytes = time.monotonic(), 0
+            self.bytes, self.busy_s, self.busy_since = 0, 0.0, now
 
 
 def download(plan: Plan, url: str, token: str | None, size: int | None, out: BinaryIO,
@@ -154,18 +174,19 @@ class _Single:
             before = self.have
             try:
                 self.floor.check()
-                with self.plan.slots.take() as buffer:
+                with self.plan.slots.take() as buffer, self.floor.busy():
                     self._attempt(buffer)
                 return "blake3:" + self.hasher.hexdigest(), self.have
             except DeadlineExceeded:
                 raise
             except Unavailable as err:
                 # Attempts count only failures without progress: a flaky link that keeps
-                # delivering bytes is followed to the end, a dead one is given up on.
+                # delivering bytes is followed to the end (within the floor), a dead one is given up on.
                 failures = 1 if self.have > before else failures + 1
                 if failures >= self.plan.retry.attempts:
                     raise
-                time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
+                with self.floor.busy():
+                    time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
 
     def _attempt(self, buffer: memoryview) -> None:
         stream = open_stream(self.url, self.token, start=self.have, timeout_s=self.floor.timeout_s)
@@ -363,7 +384,7 @@ class _Parallel:
             before = part.have
             try:
                 self.floor.check()
-                with self.plan.slots.take() as buffer:
+                with self.plan.slots.take() as buffer, self.floor.busy():
                     self._attempt(part, buffer)
             except DeadlineExceeded:
                 raise
@@ -371,7 +392,8 @@ class _Parallel:
                 failures = 1 if part.have > before else failures + 1
                 if failures >= self.plan.retry.attempts:
                     raise
-                time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
+                with self.floor.busy():
+                    time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
 
     def _attempt(self, part: _Part, buffer: memoryview) -> None:
         if self.error is not None:

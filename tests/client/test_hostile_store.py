@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from cgstore_client import Client, CompiledRequired, Loaded, Want
@@ -165,6 +167,26 @@ def test_a_blob_served_a_byte_per_connection_ends_at_the_throughput_floor(hostil
     assert isinstance(served, Eager) and served.reason.startswith("store too slow:"), served
     assert len(hostile.requests_to(blob_path)) < len(BLOB) // 2  # given up long before the last byte
     assert cache_files(tmp_path / "cache") == ["CACHEDIR.TAG", "keys.json"]
+
+
+def test_a_blob_waiting_for_a_connection_slot_is_not_judged_on_the_wait(hostile, tmp_path):
+    """The floor counts time a blob holds a connection (or pauses to retry), not time queued behind another."""
+    slow, quick = os.urandom(64 * 1024), os.urandom(2048)
+    digests = [hostile.serve_record(blob) for blob in (slow, quick)]
+
+    def steady() -> Iterator[bytes]:  # 32 KiB/s for 2 s: above the floor, and holding the only slot
+        for i in range(8):
+            time.sleep(0.25)
+            yield slow[i * 8192 : (i + 1) * 8192]
+
+    hostile.routes[("GET", f"/v1/repos/{REPO}/blobs/{digests[0]}")] = Answer(steady, length=len(slow))
+    floor = Limits(min_bytes_per_s=8192, throughput_window_s=0.5)
+    with client_of(hostile, tmp_path, limits=floor, download_connections=1) as client:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(client.fetch_blob, REPO, digests[0], len(slow))
+            time.sleep(0.2)
+            second = pool.submit(client.fetch_blob, REPO, digests[1], len(quick))  # waits ~2 s for the slot
+            assert first.result().read_bytes() == slow and second.result().read_bytes() == quick
 
 
 # --- bounds --------------------------------------------------------------------------------------------
