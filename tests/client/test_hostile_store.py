@@ -219,6 +219,13 @@ def test_an_answer_past_the_bound_is_refused_and_read_no_further(hostile, tmp_pa
     assert sent < 2 * 16 * MiB  # both calls together: the socket buffers' worth past the bound, not 2 x 64 MiB
 
 
+def test_a_head_declaring_a_length_past_the_answer_bound_is_not_a_body(hostile, tmp_path):
+    digest = hostile.serve_record(BLOB)
+    hostile.routes[("HEAD", f"/v1/repos/{REPO}/blobs/{digest}")] = Answer(b"", length=64 * MiB)
+    with client_of(hostile, tmp_path, limits=Limits(max_answer_bytes=MiB)) as client:
+        assert client.has_blob(REPO, digest)
+
+
 @pytest.mark.parametrize("size", [None, len(BLOB)], ids=["unstated", "stated"])
 @pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
 def test_a_blob_past_its_bound_stops_at_the_bound_and_leaves_nothing(hostile, tmp_path, size, declared):
