@@ -370,7 +370,7 @@ class Transport:
         request = self._http.build_request(method, url, headers=headers, **options)
         response = self._http.send(request, stream=True)
         try:
-            content = self._bounded_body(response, what)
+            content = b"" if method == "HEAD" else self._bounded_body(response, what)  # HEAD's length: no body
         finally:
             response.close()
         kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _BODY_ENCODING_HEADERS]
