@@ -61,6 +61,8 @@ class HostileStore:
         self.keys = {kid: Ed25519PrivateKey.generate()}
         self.signer = kid
         self.lock = threading.Lock()
+        self.answered = threading.Condition(self.lock)  # notified as each answer ends (written or cut)
+        self.finished: dict[str, int] = {}  # path -> answers ended
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -163,8 +165,21 @@ class HostileStore:
         else:
             answer = route(body, headers) if callable(route) else route
         handler.close_connection = True
-        with contextlib.suppress(OSError):
-            self._write(handler, path, answer)
+        try:
+            with contextlib.suppress(OSError):
+                self._write(handler, path, answer)
+        finally:
+            with self.answered:
+                self.finished[path] = self.finished.get(path, 0) + 1
+                self.answered.notify_all()
+
+    def sent_to(self, path: str, answers: int = 1, timeout_s: float = 10.0) -> int:
+        """The bytes sent on ``path`` once ``answers`` answers there have ended: a client that
+        hangs up returns before the server's write fails, so reading ``sent`` at once would race it."""
+        with self.answered:
+            if not self.answered.wait_for(lambda: self.finished.get(path, 0) >= answers, timeout_s):
+                raise TimeoutError(f"{answers} answers on {path} did not end within {timeout_s}s")
+            return self.sent.get(path, 0)
 
     def _write(self, handler, path: str, answer: Answer) -> None:
         chunks = [answer.body] if isinstance(answer.body, bytes) else answer.body()
