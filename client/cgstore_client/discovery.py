@@ -38,7 +38,7 @@ import blake3
 
 from cgstore_client import outcomes
 from cgstore_client.outcomes import Eager, Loaded, admits_contract
-from cgstore_client.client import Client, _entry, _parsed, _record, split_repo
+from cgstore_client.client import Client, _entry, _parsed, _record, record_path
 from cgstore_client.errors import CgstoreError, CompiledRequired, NotFound, Offline, Unavailable
 from cgstore_client.keys import Envelope, Toolchain, canonical_json
 from cgstore_client.wire.discovery import (
@@ -220,8 +220,8 @@ def _boot(client, family, model, request: DiscoverRequest, example_inputs, check
         candidates = discover(client, request)
     except Offline as err:
         return Booted(model, reason=f"{outcomes.OFFLINE_NOT_CACHED}: {err}")
-    except Unavailable as err:
-        return Booted(model, reason=f"{outcomes.UNAVAILABLE}: {err}")
+    except Unavailable as err:  # down, or too slow (past the call deadline): never hung
+        return Booted(model, reason=outcomes.reason_for(err))
     shapes = _leaf_shapes(example_inputs) if example_inputs is not None else None
     weights = checkpoint if checkpoint is not None else model.state_dict()
     refusals, drifted = [], None
@@ -300,7 +300,8 @@ def _miss_reason(client: Client, request: DiscoverRequest, model) -> str:
         if not others:
             return f"{outcomes.MISS}: no candidate for this declaration"
         other = others[0]
-        table = _record(client.transport.request("GET", other.record.href).content)["binding_table"]
+        # At the path the client builds: the answer's href could name another host.
+        table = _record(client.transport.request("GET", record_path(other.repo, other.key)).content)["binding_table"]
     except (CgstoreError, KeyError) as err:  # a diagnosis only: the miss stands either way
         log.debug("no diagnosis of the miss: %s", err)
         return f"{outcomes.MISS}: no candidate binds this model's tensors ({request.binding_signature})"
@@ -380,9 +381,8 @@ def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str
 
 def _report(client: Client, loaded: Loaded, measured: str, reason: str) -> None:
     """Tell the store (best effort: a report that fails changes nothing for serving)."""
-    owner, name = split_repo(loaded.repo or "")
     body = DriftReport(measured_graph=measured, reason=reason[:MAX_REASON_CHARS]).model_dump(mode="json")
     try:
-        client.transport.request("POST", f"/v1/repos/{owner}/{name}/compiled-graphs/{loaded.key}:report", json=body)
+        client.transport.request("POST", record_path(loaded.repo, loaded.key) + ":report", json=body)
     except Exception as err:  # offline, store down, client closed, refused: the drift is logged already
         log.info("cgstore: drift report for %s not delivered: %s", loaded.key, err)
