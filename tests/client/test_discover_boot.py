@@ -516,7 +516,7 @@ def test_an_online_boot_refuses_a_candidate_whose_receipt_a_retired_key_signed(
         (candidate,) = client.discover(FAMILY, envelope=ENVELOPE, sm=environment_sm("cpu"),
                                        toolchain=environment_toolchain(), release=RELEASE)
         assert jwt.get_unverified_header(candidate.receipt)["kid"] == signer
-        assert signer not in [k["kid"] for k in client.keys(refresh=True)["keys"]]
+        assert signer not in [k["kid"] for k in client.jwks(refresh=True)["keys"]]
         refused = boot(client, live)
         with pytest.raises(CompiledRequired, match="receipt invalid"):
             boot(client, live, mandatory=True)
