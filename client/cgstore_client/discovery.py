@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import blake3
@@ -152,12 +153,12 @@ def discover(client: Client, request: DiscoverRequest) -> list[Candidate]:
     return discover_answer(client, request).answer.candidates
 
 
+@dataclass(frozen=True)
 class Discovered:
     """A discover's answer and where it came from: ``from_cache`` says why the store was not asked (None: it was)."""
 
-    def __init__(self, answer: DiscoverAnswer, from_cache: str | None = None) -> None:
-        self.answer = answer
-        self.from_cache = from_cache
+    answer: DiscoverAnswer
+    from_cache: str | None = None
 
 
 def discover_answer(client: Client, request: DiscoverRequest) -> Discovered:
@@ -249,6 +250,8 @@ def _boot(client, family, model, request: DiscoverRequest, example_inputs, check
         booted.served_from = "cache"
         if booted.compiled:  # compiled all the same: say the store was not asked
             booted.reason = f"{SERVED_FROM_CACHE} ({discovered.from_cache})"
+        else:  # a miss answered by the cache is an old answer: say whose
+            booted.reason = f"{booted.reason} (the answer cached for this declaration; {discovered.from_cache})"
     return booted
 
 
