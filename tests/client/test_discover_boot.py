@@ -193,8 +193,8 @@ def test_a_reshaped_or_renamed_tensor_finds_no_candidate_and_says_which(store, d
     with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
         booted = boot(client, model(), code=False)
     assert not booted.compiled and booted.loaded is None
-    assert booted.reason.startswith("miss: no candidate binds this model's tensors") and key in booted.reason
-    assert named in booted.reason
+    assert booted.reason.startswith(f"miss: 1 record of {FAMILY} in ") and key in booted.reason
+    assert "nearest differs in binding signature: bs1:" in booted.reason and named in booted.reason
 
 
 def test_example_inputs_outside_the_contract_are_served_eager_with_the_contracts_words(store, declared, tmp_path):
@@ -216,6 +216,7 @@ def test_offline_boot_answers_from_the_cache_and_says_what_it_lacks(store, decla
         served = boot(offline, live)
         other_release = offline.boot(FAMILY, live, envelope=ENVELOPE, release="never-discovered")
     assert served.compiled and served.loaded.key == key and same_outputs(served, live)
+    assert served.served_from == "cache" and served.reason.startswith("served from the local cache (offline: ")
     assert not other_release.compiled and other_release.reason.startswith("offline and not cached")
 
 
@@ -229,6 +230,7 @@ def test_with_the_store_down_boot_answers_from_a_warm_cache(store, declared, tmp
         served = boot(fresh, live, example_inputs=tiny_inputs())
         assert served.wait_confirmed(CONFIRM_TIMEOUT_S) == "confirmed"  # the report path is never taken
     assert served.compiled and served.loaded.key == key and same_outputs(served, live)
+    assert served.served_from == "cache" and served.reason.startswith("served from the local cache (unavailable: ")
     with Client(gone, token, cache_dir=tmp_path / "cold") as cold:
         eager = boot(cold, live)
     assert not eager.compiled and eager.reason.startswith("store unavailable")
@@ -275,6 +277,33 @@ def test_a_store_without_the_discover_route_boots_from_the_cache_or_eager(store,
                 boot(cold, live, mandatory=True)
     assert served.compiled and served.loaded.key == key and same_outputs(served, live)
     assert not eager.compiled and eager.reason.startswith("store unavailable: this store does not serve discovery")
+
+
+def test_five_causes_of_a_miss_say_five_different_things(store, declared, tmp_path):
+    """A family typo, a missing batch_sizes, a release the record lacks, another torch, another toolchain spelling."""
+    _, token, key, _ = declared
+    live, toolchain = tiny_model(seed=3), environment_toolchain()
+    torch_version = toolchain.components["torch"]
+    document = {k: v for k, v in ENVELOPE.document.items() if k not in ("v", "batch_sizes")}
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        booted = {
+            "family": client.boot("tiny-discvoer", live, envelope=ENVELOPE, release=RELEASE),
+            "batch_sizes": client.boot(FAMILY, live, envelope=document, release=RELEASE),
+            "release": client.boot(FAMILY, live, envelope=ENVELOPE, release="endpoint-8"),
+            "torch": boot(client, live, toolchain=Toolchain({**toolchain.components, **toolchain.recorded,
+                                                             "torch": "2.12.0"})),
+            "spelling": boot(client, live, toolchain={"torch": torch_version}),
+        }
+    reasons = {cause: handle.reason for cause, handle in booted.items()}
+    assert not any(handle.compiled for handle in booted.values())
+    assert reasons["family"] == ("miss: no record of family 'tiny-discvoer' this token may read "
+                                 f"(did you mean {FAMILY}?)")
+    assert reasons["batch_sizes"].endswith("nearest differs in envelope batch_sizes: [1] here, [1, 2, 5] recorded")
+    assert reasons["release"].endswith(f"nearest differs in release: endpoint-8 here, {RELEASE} recorded")
+    assert reasons["torch"].endswith(f"nearest differs in toolchain torch: 2.12.0 here, {torch_version} recorded")
+    assert "nearest differs in toolchain " in reasons["spelling"]  # the walk-through's {"torch": …} lacks the rest
+    assert f"toolchain settings: none here, {toolchain.components['settings']} recorded" in reasons["spelling"]
+    assert len(set(reasons.values())) == 5
 
 
 def test_the_docs_boot_by_declaration_runs_as_written(make_store, pt2_archive, tmp_path, monkeypatch):
@@ -404,7 +433,9 @@ def test_an_edit_to_the_model_class_file_finds_no_candidate_by_code_fingerprint(
         by_structure = boot(client, edited, code=False, confirm="before", example_inputs=tiny_inputs())
     assert served.compiled and served.loaded.key == key and same_outputs(served, original)
     assert not by_code.compiled and by_code.loaded is None
-    assert by_code.reason == "miss: no candidate for this declaration"
+    assert by_code.reason.startswith(f"miss: 1 record of {FAMILY} in ")
+    assert by_code.reason.endswith(f"nearest differs in code: {code_fingerprint(edited)} here, "
+                                   f"{code_fingerprint(original)} recorded")
     assert by_structure.loaded.key == key and by_structure.confirmation == "drift"
     assert not by_structure.compiled and by_structure.reason.startswith("drift")
 
@@ -419,7 +450,8 @@ def test_a_recorded_library_version_other_than_the_records_finds_no_candidate(st
         newer = boot(client, live, toolchain=other)
     assert same.compiled and same.loaded.key == key
     assert not newer.compiled and newer.loaded is None
-    assert newer.reason == "miss: no candidate for this declaration"
+    assert newer.reason.endswith("nearest differs in library transformers: 0.0.1 here, "
+                                 f"{toolchain.recorded.get('transformers')} recorded")
 
 
 # -- the structural gate's receipt check (issue 30, section 6) -------------------------------------------------------

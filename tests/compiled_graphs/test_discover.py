@@ -171,7 +171,8 @@ def test_newest_first_one_per_key_and_limited(store, pt2_archive, report_a, cons
 
     name = unique_repo()
     token = store.mint("minter", f"acme/{name}:read,write", f"acme/{name}-2:read,write")
-    envelope = unique_envelope()
+    # What both graphs can keep: the tied one takes token ids of batch 2 and 4 tokens, nothing else.
+    envelope = {**unique_envelope(), "batch_sizes": [2], "text_len": 4}
     older = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=envelope)
     tied_report = archive_report(pt2_archive_tied)
     newer = publication(pt2_archive_tied, tied_report, envelope=envelope, sm=report_a.sm,

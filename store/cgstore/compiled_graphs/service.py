@@ -21,7 +21,8 @@ miss identically for an absent, yanked, unhealthy or unreadable key.
 
 Discover (issue 16) is resolve by declaration instead of by key: the records
 whose ``discovery_digest`` (stored at publish) is the declaration's, through
-the same two statements, visibility and ranking. A drift report counts a
+the same two statements, visibility and ranking; a miss asked to explain
+itself is explained by ``explain.py`` from readable records only. A drift report counts a
 worker's disagreement on a readable record and audits it, rate-limited per
 token over the audit log.
 """
@@ -66,7 +67,7 @@ from cgstore.audit.models import AuditEvent
 from cgstore.audit.service import record as audit
 from cgstore.blobs.models import Blob
 from cgstore.blobs.service import held_blobs, hold_blobs
-from cgstore.compiled_graphs import admission, receipts
+from cgstore.compiled_graphs import admission, explain, receipts
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
 from cgstore.core.cursors import CURSOR_LEN
@@ -683,10 +684,14 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
         ranks = {row.key: access.resolve_rank(claims, row.owner, row.name, holder=row.holder) for row in best.values()}
         chosen = sorted(best.values(), key=lambda row: (ranks[row.key], -row.id))[:request.limit]
         components = _component_rows(session, [row.id for row in chosen])
+        miss = explain.explain_miss(session, claims, request, derived) if request.explain and not chosen else None
     urls = urls_for(_blob_refs(chosen, components))
     found = [{**_answer(row.key, row, components, urls), "binding_signature": row.binding_signature,
               "release": row.release} for row in chosen]
-    return to_json({"candidates": found})  # built in ``DiscoverAnswer``'s field order, as resolve's answer is
+    answer: dict[str, Any] = {"candidates": found}  # built in ``DiscoverAnswer``'s field order, as resolve's is
+    if miss is not None:
+        answer["miss"] = miss.model_dump(mode="json")
+    return to_json(answer)
 
 
 def _discover_query(request: DiscoverRequest, digest: str):
