@@ -40,15 +40,14 @@ from cgstore_client.errors import (
     CompiledRequired,
     ConfigError,
     IntegrityError,
-    KeyInvalid,
     NotFound,
     Offline,
     Refused,
     Unavailable,
 )
 from cgstore_client.download import DEFAULT_CONNECTIONS, DEFAULT_PART_BYTES, Plan, Progress, Slots, download
-from cgstore_client.http import Retry, Transport, file_chunks, store_path
-from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest, validate_key
+from cgstore_client.http import Retry, Transport, file_chunks, parse_answer, record_path, split_repo, store_path
+from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
 from cgstore_client.lanes import DEFAULT_LANE, resolve_lane
 from cgstore_client.limits import Limits
 from cgstore_client.receipts import (
@@ -77,23 +76,6 @@ MAX_MISSING_BATCH = 1024
 #: The component name under which ``publish`` uploads the mint's derived constants.
 DERIVED_COMPONENT = "derived-constants"
 _TRUE = frozenset({"1", "true", "yes", "on"})
-
-
-def split_repo(repo: str) -> tuple[str, str]:
-    owner, sep, name = repo.partition("/")
-    if not sep or not owner or not name or "/" in name:
-        raise ConfigError(f"a repo is 'owner/name', not {repo!r}")
-    return owner, name
-
-
-def record_path(repo: object, key: object) -> str:
-    """The store's path of ``repo``'s record ``key``, built here from the two names (never an answer's ``href``)."""
-    try:
-        owner, name = split_repo(repo if isinstance(repo, str) else "")
-        validate_key(key)
-    except (ConfigError, KeyInvalid) as err:  # names from an answer: the store's fault, not the configuration's
-        raise Refused(f"the store's answer names no record the client can read: {err}") from None
-    return store_path("v1", "repos", owner, name, "compiled-graphs", key)
 
 
 def _token_from_env() -> str | None:
@@ -350,6 +332,18 @@ class Client:
             return {k: self.cache.read_record(k) or outcomes.reason_for(err) for k in keys}
         return {a["key"]: self._with_cached_record(a) if a.get("status") == "hit" else outcomes.MISS for a in answers}
 
+    def serve_hit(self, hit: ResolveHit) -> Loaded | Eager:
+        """One hit (a discover candidate is one) through ``load``'s verified path: its receipt (any
+        repo, not only root), the cached or fetched full record, verified downloads."""
+        entry = self._trusted(self._with_cached_record(_entry(hit)), root_only=False)
+        if isinstance(entry, str):
+            return Eager(hit.key, entry)
+        return self._serve(hit.key, entry, self._fetch_all([entry]), None)
+
+    def read_record(self, repo: str, key: str) -> dict[str, Any]:
+        """The full record of ``repo``'s ``key`` (``wire.records.Record``) as the store answers it now."""
+        return _record(self.transport.request("GET", record_path(repo, key)).content)
+
     def _with_cached_record(self, entry: dict[str, Any]) -> dict[str, Any]:
         """Reuse the cached full record when it is the one resolved (records are write-once): no GET on a warm boot."""
         cached = self.cache.read_record(entry["key"]) or {}
@@ -518,7 +512,7 @@ class Client:
         ]
         manifest["release"], manifest["code"] = release, code
         body = Manifest.model_validate(manifest).model_dump(mode="json", exclude_none=True)
-        answer = _parsed(PublishAnswer, self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}",
+        answer = parse_answer(PublishAnswer, self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}",
                                                                json=body).content)
         return Published(answer.key, answer.status, answer.receipt)
 
@@ -560,22 +554,14 @@ def _manifest(report, family, envelope: Envelope, toolchain: Toolchain, sm, lane
     return manifest
 
 
-def _parsed(model, content: bytes):
-    """An answer body parsed with its wire type; a body that breaks the protocol is a typed refusal."""
-    try:
-        return model.model_validate_json(content)
-    except ValueError as err:  # pydantic's ValidationError is a ValueError
-        raise Refused(f"the store's answer is not a {model.__name__}: {err}") from None
-
-
 def _answers(content: bytes) -> list[ResolveHit | Any]:
     """The per-key answers of a resolve body (``wire.records.ResolveAnswer``)."""
-    return _parsed(ResolveAnswer, content).answers
+    return parse_answer(ResolveAnswer, content).answers
 
 
 def _record(content: bytes) -> dict[str, Any]:
     """A full record (``wire.records.Record``), as the JSON document the cache keeps."""
-    return _parsed(Record, content).model_dump(mode="json")
+    return parse_answer(Record, content).model_dump(mode="json")
 
 
 def _entry(answer) -> dict[str, Any]:

@@ -33,14 +33,15 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import blake3
 
 from cgstore_client import outcomes
 from cgstore_client.outcomes import Eager, Loaded, admits_contract
-from cgstore_client.client import Client, _entry, _parsed, _record, record_path
+from cgstore_client.cache import Cache
 from cgstore_client.errors import CgstoreError, CompiledRequired, NotFound, Offline, Unavailable
+from cgstore_client.http import Transport, parse_answer, record_path
 from cgstore_client.keys import Envelope, Toolchain, canonical_json
 from cgstore_client.wire.discovery import (
     DEFAULT_DISCOVER_LIMIT,
@@ -56,6 +57,20 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
 log = logging.getLogger(__name__)
+
+
+class Client(Protocol):
+    """What boot by declaration needs of ``cgstore_client.Client``, and no more: its transport and
+    cache, whether it is offline, and two public operations. Named here rather than imported, so
+    the client (whose ``boot`` and ``discover`` call this module) and this module never form a circle."""
+
+    transport: Transport
+    cache: Cache
+    offline: bool
+
+    def serve_hit(self, hit: Candidate) -> Loaded | Eager: ...
+
+    def read_record(self, repo: str, key: str) -> dict[str, Any]: ...
 
 # Booted.confirmation values.
 PENDING = "pending"
@@ -175,7 +190,7 @@ def discover_answer(client: Client, request: DiscoverRequest) -> Discovered:
         return _cached_answer(client, cached_at, err)
     except NotFound as err:  # a miss is a 200 with no candidates: a 404 is a store from before the route
         return _cached_answer(client, cached_at, Unavailable(f"this store does not serve discovery ({err})"))
-    answer = _parsed(DiscoverAnswer, response.content)
+    answer = parse_answer(DiscoverAnswer, response.content)
     client.cache.write_json(cached_at, {"candidates": [c.model_dump(mode="json") for c in answer.candidates]})
     return Discovered(answer)
 
@@ -296,10 +311,7 @@ def _serve_candidate(client: Client, candidate: Candidate, signature: str | None
 
     if candidate.binding_signature != signature:  # the store filters on it; the cache and the client check
         return f"binds other tensors ({candidate.binding_signature})"
-    entry = client._trusted(client._with_cached_record(_entry(candidate)), root_only=False)
-    if isinstance(entry, str):
-        return entry
-    served = client._serve(candidate.key, entry, client._fetch_all([entry]), None)
+    served = client.serve_hit(candidate)
     if isinstance(served, Eager):
         return served.reason
     if shapes is not None:
@@ -339,7 +351,7 @@ def _miss_reason(client: Client, request: DiscoverRequest, miss: MissExplanation
         return reason
     try:
         # At the path the client builds from the names (never an answer's href).
-        table = _record(client.transport.request("GET", record_path(nearest.repo, nearest.key)).content)["binding_table"]
+        table = client.read_record(nearest.repo, nearest.key)["binding_table"]
     except (CgstoreError, KeyError) as err:  # a diagnosis only: the miss stands either way
         log.debug("no diagnosis of the tensors: %s", err)
         return reason

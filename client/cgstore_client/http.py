@@ -36,9 +36,11 @@ import httpcore
 import httpx
 
 from cgstore_client.errors import (
+    ConfigError,
     Conflict,
     DeadlineExceeded,
     Denied,
+    KeyInvalid,
     NotFound,
     Refused,
     StoreError,
@@ -46,6 +48,7 @@ from cgstore_client.errors import (
     Unauthorized,
     Unavailable,
 )
+from cgstore_client.keys import validate_key
 from cgstore_client.limits import Limits
 
 CONNECT_TIMEOUT_S = 10.0
@@ -140,6 +143,32 @@ def store_path(*segments: str) -> str:
             raise Refused(f"not a path segment: {str(segment)[:100]!r}")
     # RFC 3986 pchar stays as is ("blake3:<hex>" is one segment); "/", "?", "#" and "%" are encoded.
     return "".join("/" + quote(segment, safe=":@!$&'()*+,;=") for segment in segments)
+
+
+def split_repo(repo: str) -> tuple[str, str]:
+    """``owner/name`` as its two names; anything else is a :class:`ConfigError`."""
+    owner, sep, name = repo.partition("/")
+    if not sep or not owner or not name or "/" in name:
+        raise ConfigError(f"a repo is 'owner/name', not {repo!r}")
+    return owner, name
+
+
+def record_path(repo: object, key: object) -> str:
+    """The store's path of ``repo``'s record ``key``, built here from the two names (never an answer's ``href``)."""
+    try:
+        owner, name = split_repo(repo if isinstance(repo, str) else "")
+        validate_key(key)
+    except (ConfigError, KeyInvalid) as err:  # names from an answer: the store's fault, not the configuration's
+        raise Refused(f"the store's answer names no record the client can read: {err}") from None
+    return store_path("v1", "repos", owner, name, "compiled-graphs", key)
+
+
+def parse_answer(model, content: bytes):
+    """An answer body parsed with its wire type; a body that breaks the protocol is a typed refusal."""
+    try:
+        return model.model_validate_json(content)
+    except ValueError as err:  # pydantic's ValidationError is a ValueError
+        raise Refused(f"the store's answer is not a {model.__name__}: {err}") from None
 
 
 # --- deadlines -------------------------------------------------------------------------------
