@@ -53,10 +53,6 @@ from pathlib import Path
 
 import boto3
 import httpx
-from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
-from cgstore_client import Client
-
 from _common import (
     MiB,
     RssSampler,
@@ -72,6 +68,10 @@ from _common import (
     timed,
     write_random_file,
 )
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+
+from cgstore_client import Client
 
 OWNER, REPO = "bench", "blobs"
 

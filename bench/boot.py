@@ -31,17 +31,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from _common import emit_result, log, production_stack
+
 from cgstore_client import Client, Want
 from cgstore_client.archive import graph_digest_from_program
 from cgstore_client.binding import code_fingerprint
-from cgstore_client.client import DERIVED_COMPONENT
 from cgstore_client.keys import ck1
-from cgstore_client.loader import load_compiled
 from cgstore_client.mint import derived_constants_path, environment_sm, environment_toolchain, package_compiled_graph
-
-from _common import emit_result, log, production_stack
+from cgstore_client.worker.client import DERIVED_COMPONENT
+from cgstore_client.worker.loader import load_compiled
 from client import small_model
-
 from tests.support.hf_archives import hf_inputs, tiny_hf_model
 
 OWNER = "bench"

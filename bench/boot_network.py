@@ -44,10 +44,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cgstore_client import Client
-
 import netmodel
 from _common import MiB, blake3_file, embedded_stack, emit_result, log, median, timed, write_random_file
+
+from cgstore_client import Client
 
 REPO = "bench/boot"
 

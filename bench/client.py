@@ -56,17 +56,17 @@ from pathlib import Path
 
 import boto3
 import torch
+from _common import MiB, emit_result, log, median, production_stack, s3_get_unverified, s3_get_verified
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
+
 from cgstore_client import Client, Want
 from cgstore_client.archive import graph_digest_from_program
-from cgstore_client.cache import hash_file
-from cgstore_client.keys import ck1
 from cgstore_client.components import save_tensors
-from cgstore_client.loader import load_compiled
-from cgstore_client.mint import environment_sm, package_compiled_graph
-
-from _common import MiB, emit_result, log, median, production_stack, s3_get_unverified, s3_get_verified
+from cgstore_client.environment import environment_sm, package_compiled_graph
+from cgstore_client.keys import ck1
+from cgstore_client.worker.cache import hash_file
+from cgstore_client.worker.loader import load_compiled
 
 OWNER = "bench"
 FAMILY = "bench-family"

@@ -43,7 +43,6 @@ import time
 from html import unescape
 
 import httpx
-
 from _common import embedded_stack, emit_result, log, production_stack
 from _console_seed import fake_key, record_repo, seed
 

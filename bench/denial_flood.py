@@ -33,9 +33,8 @@ import time
 
 import blake3
 import httpx
-from sqlalchemy import create_engine, func, select
-
 from _common import emit_result, log, median, production_stack
+from sqlalchemy import create_engine, func, select
 
 from cgstore.audit.models import AuditEvent
 

@@ -54,8 +54,8 @@ from dataclasses import dataclass, field
 import blake3
 import httpx
 import psutil
-
 from _common import MiB, emit_result, log, replicated_stack, timed
+
 from tests.compiled_graphs.support import (
     CONSTANTS_A,
     FAMILY,

@@ -48,12 +48,11 @@ import threading
 import time
 
 import httpx
+from _common import emit_result, log, production_stack
 from sqlalchemy import create_engine, text
 
 from cgstore_client.binding import discovery_digest
 from cgstore_client.keys import Envelope, Toolchain
-
-from _common import emit_result, log, production_stack
 
 FAMILY = "bench-family"
 KEYS_PER_REQUEST = 256

@@ -8,9 +8,6 @@ compiled graph) and ``loader`` (binding constants by name) need the ``torch``
 extra and are never imported from here.
 """
 
-from cgstore_client.outcomes import Eager, Loaded, Want
-from cgstore_client.client import Client, Published
-from cgstore_client.discovery import Booted
 from cgstore_client.errors import (
     CgstoreError,
     CompiledRequired,
@@ -25,6 +22,9 @@ from cgstore_client.errors import (
     Unauthorized,
     Unavailable,
 )
+from cgstore_client.worker.client import Client, Published
+from cgstore_client.worker.discovery import Booted
+from cgstore_client.worker.outcomes import Eager, Loaded, Want
 
 __version__ = "0.1.0"
 

@@ -41,7 +41,7 @@ class StoreError(CgstoreError):
     ``status`` and ``code`` carry the HTTP status and the protocol error code
     (docs/protocol.md) when the server answered, ``detail`` its ``detail`` object;
     ``retryable`` says whether the same request later can succeed.
-    :func:`cgstore_client.http.raise_for_status` is the one place an answer
+    :func:`cgstore_client.worker.http.raise_for_status` is the one place an answer
     becomes one of these.
     """
 
@@ -126,3 +126,7 @@ class CompiledRequired(CgstoreError):
         listed = "; ".join(f"{key}: {why}" for key, why in reasons.items())
         super().__init__(f"compiled execution is mandatory and not available: {listed}")
         self.reasons = dict(reasons)
+
+
+class MintError(CgstoreError):
+    """A mint that cannot produce an admissible, reproducible archive; a failed archive is never left behind."""

@@ -8,10 +8,11 @@ Public API::
     package_compiled_graph(program, path, *, metadata=None, model_name="model",
                            inductor_configs=None, build_dir=None) -> MintResult
     compile_configs(inductor_configs=None) -> dict          # the compile policy, merged
-    environment_toolchain(*, inductor_configs=None, settings=None, native_manifest=None) -> Toolchain
-    environment_sm(device=None) -> str
     settings_digest(inductor_configs=None, settings=None) -> "blake3:<hex>"
     COMPILE_POLICY, ARCHIVE_ROOT, MintError, MintResult
+
+This environment's ``sm`` and toolchain (what a worker declares, what a mint stamps) are
+``cgstore_client.environment``'s; the policy and its digest ``cgstore_client.policy``'s.
 
 The archive is written with torch's ``PT2ArchiveWriter`` (not ``package_pt2``,
 which would add the program's weights and pickled sample inputs) and holds
@@ -68,20 +69,16 @@ hash of the linked bytes, so they follow once the inputs above are fixed.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
-import secrets
-import subprocess
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import blake3
@@ -96,9 +93,10 @@ from cgstore_client.archive.graph import (
     strip_debug_metadata,
 )
 from cgstore_client.components import save_tensors
-from cgstore_client.errors import CgstoreError, MetadataError
-from cgstore_client.keys import Toolchain, canonical_json, validate_digest
+from cgstore_client.environment import environment_sm
+from cgstore_client.errors import MetadataError, MintError
 from cgstore_client.metadata import CompiledGraphMetadata, build_metadata, parse_metadata
+from cgstore_client.policy import COMPILE_POLICY, compile_configs, settings_digest
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from torch.export import ExportedProgram
@@ -111,8 +109,6 @@ __all__ = [
     "compile_configs",
     "default_build_dir",
     "derived_constants_path",
-    "environment_sm",
-    "environment_toolchain",
     "package_compiled_graph",
     "settings_digest",
 ]
@@ -120,45 +116,14 @@ __all__ = [
 #: The root folder torch's writer gives an archive written through a file object.
 ARCHIVE_ROOT = "archive"
 
-#: The inductor options every mint compiles under. A caller's ``inductor_configs``
-#: may add options but never change these: they are what makes the archive
-#: weight-free (constants bound by name at load, never value-specialized) and
-#: reproducible. The policy is part of the toolchain's settings digest.
-COMPILE_POLICY: Mapping[str, object] = MappingProxyType(
-    {
-        "aot_inductor.package": True,
-        "aot_inductor.package_cpp_only": False,
-        "aot_inductor.package_constants_in_so": False,
-        "aot_inductor.package_constants_on_disk_format": None,
-        "aot_inductor.use_runtime_constant_folding": False,
-        "aot_inductor.force_mmap_weights": False,
-        "aot_inductor.precompile_headers": False,
-        "aot_inductor.debug_compile": False,
-        "aot_inductor.debug_symbols": False,
-        "aot_inductor.enable_line_tables": True,
-        "always_keep_tensor_constants": True,
-        "freezing": False,
-        "force_disable_caches": False,
-        "fx_graph_remote_cache": False,
-        "autotune_remote_cache": False,
-        "bundled_autotune_remote_cache": False,
-    }
-)
 
 # Read by torch's C++ builder straight from the environment at compile time,
 # outside any config the policy could pin.
 _REFUSED_ENVIRONMENT = ("TORCHINDUCTOR_DEBUG_COMPILE", "TORCHINDUCTOR_DEBUG_SYMBOL")
 _MODEL_NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
-_PTXAS_VERSION_RE = re.compile(r"V(\d+\.\d+\.\d+)")
-_RECORDED_LIBRARIES = ("diffusers", "transformers", "peft")
-_TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm")
 # One mint at a time per process: the compile points process-wide environment
 # variables at the build directory (the file lock serializes processes).
 _PROCESS_LOCK = threading.Lock()
-
-
-class MintError(CgstoreError):
-    """A mint that cannot produce an admissible, reproducible archive; a failed archive is never left behind."""
 
 
 @dataclass(frozen=True)
@@ -186,31 +151,6 @@ class MintResult:
 # --------------------------------------------------------------------------
 # Policy
 # --------------------------------------------------------------------------
-
-
-def compile_configs(inductor_configs: Mapping[str, object] | None = None) -> dict[str, object]:
-    """The caller's options merged under :data:`COMPILE_POLICY`; a conflicting option is a :class:`MintError`."""
-    merged = dict(inductor_configs or {})
-    for key, value in COMPILE_POLICY.items():
-        if key in merged and merged[key] != value:
-            raise MintError(f"inductor option {key}={merged[key]!r} conflicts with the mint policy ({key}={value!r})")
-        merged[key] = value
-    if "aot_inductor.output_path" in merged:
-        raise MintError("inductor option 'aot_inductor.output_path' is the mint's to choose: pass path instead")
-    if "aot_inductor.metadata" in merged:
-        # It lands unchecked in AOTI's *_metadata.json: a wall clock there would break reproducibility.
-        raise MintError("inductor option 'aot_inductor.metadata' is refused: pass metadata (validated) instead")
-    return dict(sorted(merged.items()))
-
-
-def settings_digest(inductor_configs: Mapping[str, object] | None = None, settings: Mapping[str, Any] | None = None) -> str:
-    """The settings-declaration digest: the compile policy (with the caller's options) and declared settings."""
-    document = {"v": 1, "compile_policy": compile_configs(inductor_configs), "settings": dict(settings or {})}
-    try:
-        encoded = canonical_json(document, hashed=False)
-    except (TypeError, ValueError) as exc:
-        raise MintError(f"settings must be JSON (strings, ints, bools, null, finite floats): {exc}") from None
-    return "blake3:" + blake3.blake3(encoded).hexdigest()
 
 
 def _refuse_debug_environment() -> None:
@@ -542,99 +482,3 @@ def package_compiled_graph(
 # --------------------------------------------------------------------------
 
 
-def _distribution_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _nvidia_wheels() -> dict[str, str]:
-    wheels = {}
-    for distribution in importlib.metadata.distributions():
-        name = (distribution.metadata["Name"] or "").strip().lower().replace("_", "-")
-        if name.startswith("nvidia-"):
-            wheels[name] = distribution.version
-    return dict(sorted(wheels.items()))
-
-
-def _ptxas_path() -> str | None:
-    """The ptxas triton would run: ``TRITON_PTXAS_PATH``, triton's bundled one, then ``PATH``."""
-    explicit = os.environ.get("TRITON_PTXAS_PATH")
-    if explicit and os.path.isfile(explicit):
-        return explicit
-    spec = importlib.util.find_spec("triton")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        bundled = os.path.join(location, "backends", "nvidia", "bin", "ptxas")
-        if os.path.isfile(bundled):
-            return bundled
-    return shutil.which("ptxas")
-
-
-def _ptxas_version() -> str | None:
-    path = _ptxas_path()
-    if path is None:
-        return None
-    try:
-        output = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise MintError(f"ptxas at {path} does not report a version: {exc}") from None
-    match = _PTXAS_VERSION_RE.search(output)
-    if not match:
-        raise MintError(f"ptxas at {path} reports no version in {output[:200]!r}")
-    return match.group(1)
-
-
-def environment_toolchain(
-    *,
-    inductor_configs: Mapping[str, object] | None = None,
-    settings: Mapping[str, Any] | None = None,
-    native_manifest: str | None = None,
-) -> Toolchain:
-    """This environment's compiler stack as a :class:`~cgstore_client.keys.Toolchain`.
-
-    Keyed: ``torch`` (its full version, local build tag included),
-    ``triton``, ``ptxas`` and every ``nvidia-*`` wheel when present, the
-    settings-declaration digest (compile policy + caller options + declared
-    settings) and the native manifest digest when given. Recorded only:
-    diffusers, transformers and peft (trace-time libraries).
-    """
-    import torch
-
-    components: dict[str, str] = {"torch": str(torch.__version__)}
-    if (triton := _distribution_version(*_TRITON_DISTRIBUTIONS)) is not None:
-        components["triton"] = triton
-    if (ptxas := _ptxas_version()) is not None:
-        components["ptxas"] = ptxas
-    components.update(_nvidia_wheels())
-    components["settings"] = settings_digest(inductor_configs, settings)
-    if native_manifest is not None:
-        components["native_manifest"] = validate_digest(native_manifest, what="native_manifest")
-    for library in _RECORDED_LIBRARIES:
-        if (version := _distribution_version(library)) is not None:
-            components[library] = version
-    return Toolchain(components)
-
-
-def environment_sm(device: str | None = None) -> str:
-    """The ``sm`` this environment compiles for, computed the way AOTI records it.
-
-    ``device`` is ``"cuda"``, ``"cuda:N"`` or ``"cpu"``; ``None`` means CUDA
-    when available, else CPU. Uses torch's own ``get_device_information``
-    (the function that fills ``AOTI_*`` in a package's metadata), so the
-    result equals what :func:`cgstore_client.archive.inspect` derives from an
-    archive minted here.
-    """
-    import torch
-    from torch._inductor.codecache import get_device_information
-
-    target = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if target.type == "cuda":
-        with torch.cuda.device(target):  # capability of that card, without changing the current device
-            information = get_device_information("cuda")
-    else:
-        information = get_device_information(target.type)
-    facts = {"AOTI_DEVICE_KEY": target.type, **information}
-    return device_facts_from_aoti_metadata({"environment": facts}).sm

@@ -18,13 +18,13 @@ from cgstore.audit.denials import DenialLog, audit_denial
 from cgstore.audit.router import router as audit_router
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.router import router as blobs_router
-from cgstore.context import StoreContext
-from cgstore.core.cursors import CursorSeal
-from cgstore.core.db import Database
 from cgstore.compiled_graphs.router import repo_router as compiled_graphs_router
 from cgstore.compiled_graphs.router import resolve_router as compiled_graphs_resolve_router
 from cgstore.console.router import ConsoleHeaders, error_page
 from cgstore.console.router import router as console_router
+from cgstore.context import StoreContext
+from cgstore.core.cursors import CursorSeal
+from cgstore.core.db import Database
 from cgstore.core.http import ERROR_RESPONSES, install_error_handlers, install_request_schemas
 from cgstore.core.inputs import refuse_unstorable_parameters
 from cgstore.core.metrics import Metrics, MetricsMiddleware

@@ -15,13 +15,13 @@ import re
 from typing import Annotated
 
 import typer
-from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 
 from cgstore.admin.cli import COMMANDS as ADMIN_COMMANDS
 from cgstore.audit.cli import audit_app
 from cgstore.core.errors import StoreError
 from cgstore.core.private import UMASK, private_dir
 from cgstore.settings import MiB, Settings
+from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 
 app = typer.Typer(help="cgstore: the registry for PyTorch compiled graphs.", no_args_is_help=True)
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)

@@ -6,9 +6,9 @@ import datetime as dt
 
 import blake3
 import pytest
-from cgstore_client.wire.audit import AuditPage
 
 from cgstore.audit.models import AuditEvent
+from cgstore_client.wire.audit import AuditPage
 from tests.audit.conftest import rows
 from tests.compiled_graphs.support import CONSTANTS_A, publication, publish, safetensors_bytes, unique_envelope
 from tests.support.archives import archive_report

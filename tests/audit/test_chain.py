@@ -32,8 +32,8 @@ from cgstore.cli import app
 from cgstore.core import migrate
 from cgstore.core.db import Database, utcnow
 from cgstore.settings import Settings
-from cgstore.tokens.ring import KeyRing, jwk, key_id, public_pem
 from cgstore.tokens.models import SigningKey
+from cgstore.tokens.ring import KeyRing, jwk, key_id, public_pem
 from tests.audit.conftest import last_id
 from tests.support import services
 from tests.support.live_store import CONFIGURATIONS, unique_repo

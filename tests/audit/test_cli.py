@@ -11,11 +11,11 @@ import threading
 import time
 
 import pytest
-from cgstore_client.wire.audit import AuditEntry
 from typer.testing import CliRunner
 
 from cgstore.audit.service import record
 from cgstore.cli import app
+from cgstore_client.wire.audit import AuditEntry
 from tests.support.live_store import unique_repo
 from tests.support.services import REPO_ROOT
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import threading
+from itertools import pairwise
 
 import blake3
 import httpx
 import pytest
-from itertools import pairwise
 
 from tests.support.live_store import unique_repo
 

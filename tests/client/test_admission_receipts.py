@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-from cgstore_client.outcomes import Loaded
-from cgstore_client.keys import OUT_OF_ENVELOPE_REASON, Envelope
-from cgstore_client.receipts import RECEIPT_AUDIENCE, RECEIPT_TYP, ReceiptInvalid, proves_root, verify_jws_receipt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from cgstore_client.keys import OUT_OF_ENVELOPE_REASON, Envelope
+from cgstore_client.receipts import RECEIPT_AUDIENCE, RECEIPT_TYP, ReceiptInvalid, proves_root, verify_jws_receipt
+from cgstore_client.worker.outcomes import Loaded
 
 ENVELOPE = Envelope(shapes=[(512, 512)], text_len=0, batch_sizes=[1, 2, 65])
 

@@ -165,7 +165,7 @@ def test_derived_documents_are_hashable_canonical_json(pt2_report: ArchiveReport
 
 
 def test_device_facts_and_sm_come_from_aoti_metadata(pt2_report: ArchiveReport, pt2_archive: Path) -> None:
-    from cgstore_client.mint import environment_sm
+    from cgstore_client.environment import environment_sm
 
     with zipfile.ZipFile(pt2_archive) as archive:
         recorded = next(

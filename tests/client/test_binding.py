@@ -77,7 +77,6 @@ def test_the_module_imports_no_torch():
 def test_a_module_and_its_archive_agree(pt2_archive, pt2_archive_tied):
     pytest.importorskip("torch")
     from cgstore_client.archive import inspect
-
     from tests.support.archives import tied_model, tiny_model
 
     for archive, model in ((pt2_archive, tiny_model()), (pt2_archive_tied, tied_model())):
@@ -89,7 +88,6 @@ def test_a_module_and_its_archive_agree(pt2_archive, pt2_archive_tied):
 def test_the_module_signature_folds_ties_and_needs_no_weights(pt2_archive_tied):
     torch = pytest.importorskip("torch")
     from cgstore_client.archive import inspect
-
     from tests.support.archives import tied_model
 
     report = inspect(pt2_archive_tied)

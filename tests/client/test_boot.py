@@ -14,14 +14,14 @@ from pathlib import Path
 
 import jwt
 import pytest
-from cgstore_client import Client, CompiledRequired, Conflict, Want
-from cgstore_client.archive import inspect
-from cgstore_client.outcomes import Eager, Loaded
-from cgstore_client.client import DERIVED_COMPONENT
-from cgstore_client.keys import Envelope, ck1
-from cgstore_client.mint import derived_constants_path
 
 from cgstore.storage.fs import FileStorage
+from cgstore_client import Client, CompiledRequired, Conflict, Want
+from cgstore_client.archive import inspect
+from cgstore_client.keys import Envelope, ck1
+from cgstore_client.mint import derived_constants_path
+from cgstore_client.worker.client import DERIVED_COMPONENT
+from cgstore_client.worker.outcomes import Eager, Loaded
 from tests.client.test_client_blobs import blob_gets, cache_files
 from tests.support.live_store import CONFIGURATIONS, unique_repo
 from tests.support.services import free_port
@@ -57,7 +57,7 @@ def publish(client: Client, repo: str, archive: Path, **kwargs):
 WORKER_2 = """
 import json, sys, torch
 from cgstore_client import Client, Want
-from cgstore_client.loader import load_compiled
+from cgstore_client.worker.loader import load_compiled
 from tests.support.archives import tiny_inputs, tiny_model
 url, token, cache, family, key = sys.argv[1:]
 with Client(url, token, cache_dir=cache) as client:
@@ -95,7 +95,7 @@ def test_boot_story_miss_mint_publish_then_another_process_loads_and_binds(store
 
 
 def inspect_digest(path: Path) -> str:
-    from cgstore_client.cache import hash_file
+    from cgstore_client.worker.cache import hash_file
 
     return hash_file(path)[0]
 
@@ -233,9 +233,9 @@ def test_a_load_fetches_big_blobs_as_ranged_parts(store, published, minted, tmp_
 def test_a_key_holding_other_bytes_is_a_conflict_naming_both(store, published, minted, tmp_path):
     repo, token, key = published
     other = tmp_path / "other.constants.safetensors"
+    import torch
     from safetensors import safe_open
 
-    import torch
     from cgstore_client.components import save_tensors
 
     with safe_open(derived_constants_path(minted), framework="pt") as f:

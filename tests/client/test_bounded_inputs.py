@@ -11,6 +11,7 @@ import json
 from decimal import Decimal
 
 import pytest
+
 from cgstore_client.errors import EnvelopeError
 from cgstore_client.keys import Envelope, Request, canonical_guidance
 from cgstore_client.wire.records import MAX_FREE_FORM_BYTES, MAX_FREE_FORM_DEPTH, unservable

@@ -7,9 +7,9 @@ import os
 import time
 
 import blake3
-from cgstore_client.cli import app
 from typer.testing import CliRunner
 
+from cgstore_client.worker.cli import app
 from tests.support.live_store import unique_repo
 
 runner = CliRunner()

@@ -14,6 +14,8 @@ import time
 
 import blake3
 import pytest
+
+from cgstore.storage.fs import FileStorage
 from cgstore_client import (
     Client,
     Denied,
@@ -24,10 +26,8 @@ from cgstore_client import (
     Unauthorized,
     Unavailable,
 )
-from cgstore_client import client as client_module
-from cgstore_client.http import Retry
-
-from cgstore.storage.fs import FileStorage
+from cgstore_client.worker import client as client_module
+from cgstore_client.worker.http import Retry
 from tests.support.live_store import unique_repo
 from tests.support.proxy import CuttableProxy
 from tests.support.services import free_port

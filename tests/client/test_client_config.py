@@ -9,10 +9,10 @@ import sys
 import threading
 
 import pytest
-from cgstore_client import Client, Offline, Unavailable
-from cgstore_client.client import DEFAULT_URL, ConfigError
-from cgstore_client.http import Retry
 
+from cgstore_client import Client, Offline, Unavailable
+from cgstore_client.worker.client import DEFAULT_URL, ConfigError
+from cgstore_client.worker.http import Retry
 from tests.support.services import free_port
 
 

@@ -17,13 +17,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from cgstore_client import Client, CompiledRequired, Loaded, Want
-from cgstore_client.outcomes import Eager
 from cgstore_client.errors import ConfigError, DeadlineExceeded, Refused, TooLarge
-from cgstore_client.http import Retry
 from cgstore_client.limits import Limits
 from cgstore_client.receipts import TrustPin, jwk_thumbprint
-
+from cgstore_client.worker.http import Retry
+from cgstore_client.worker.outcomes import Eager
 from tests.client.test_client_blobs import cache_files
 from tests.support.hostile_store import FAMILY, KEY, REPO, Answer, HostileStore, json_answer
 

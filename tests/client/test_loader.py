@@ -10,12 +10,11 @@ torch = pytest.importorskip("torch")
 
 from cgstore_client.archive import inspect  # noqa: E402
 from cgstore_client.archive.graph import graph_digest_from_document, graph_digest_from_program  # noqa: E402
-from cgstore_client.outcomes import Loaded  # noqa: E402
-from cgstore_client.client import DERIVED_COMPONENT  # noqa: E402
 from cgstore_client.components import save_tensors  # noqa: E402
-from cgstore_client.loader import BindingError, load_compiled  # noqa: E402
 from cgstore_client.mint import derived_constants_path  # noqa: E402
-
+from cgstore_client.worker.client import DERIVED_COMPONENT  # noqa: E402
+from cgstore_client.worker.loader import BindingError, load_compiled  # noqa: E402
+from cgstore_client.worker.outcomes import Loaded  # noqa: E402
 from tests.support.archives import tied_inputs, tied_model, tied_program, tiny_inputs, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.torch

@@ -15,6 +15,7 @@ import blake3
 import pytest
 
 from cgstore_client.archive import ArchiveReport, inspect
+from cgstore_client.environment import environment_sm, environment_toolchain
 from cgstore_client.keys import Toolchain, is_digest
 from cgstore_client.metadata import build_metadata
 from cgstore_client.mint import (
@@ -22,8 +23,6 @@ from cgstore_client.mint import (
     COMPILE_POLICY,
     MintError,
     compile_configs,
-    environment_sm,
-    environment_toolchain,
     package_compiled_graph,
     settings_digest,
 )

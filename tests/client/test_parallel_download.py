@@ -1,4 +1,4 @@
-"""Parallel ranged downloads (``cgstore_client.download``): part boundaries, faults, the
+"""Parallel ranged downloads (``cgstore_client.worker.download``): part boundaries, faults, the
 connection bound, cross-process sharing.
 
 Against the running store in both configurations where a store is needed (the
@@ -18,11 +18,11 @@ import threading
 import time
 
 import pytest
-from cgstore_client import Client, Denied, IntegrityError
-from cgstore_client.client import ConfigError
-from cgstore_client.http import Retry
 
 from cgstore.storage.fs import FileStorage
+from cgstore_client import Client, Denied, IntegrityError
+from cgstore_client.worker.client import ConfigError
+from cgstore_client.worker.http import Retry
 from tests.client.test_client_blobs import blob_gets, cache_files, cut_mid_body, digest_of  # noqa: F401 (fixture)
 from tests.support.live_store import unique_repo
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from cgstore_client import Client, Denied
 
+from cgstore_client import Client, Denied
 from tests.support.live_store import unique_repo
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from cgstore_client import Client, CompiledRequired, Want
-from cgstore_client.outcomes import Eager, Loaded
-from cgstore_client.receipts import jwk_thumbprint
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from cgstore_client import Client, CompiledRequired, Want
+from cgstore_client.receipts import jwk_thumbprint
+from cgstore_client.worker.outcomes import Eager, Loaded
 from tests.client.test_boot import FAMILY, minted, published  # noqa: F401 (fixtures)
 from tests.client.test_client_blobs import blob_gets
 from tests.client.test_discover_boot import boot as boot_declared

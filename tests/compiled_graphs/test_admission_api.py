@@ -295,7 +295,6 @@ def test_an_envelope_beyond_the_contract_is_refused_naming_the_axis(store, tenan
 def test_token_ids_fix_batch_and_text_len(store, tenant, pt2_archive_tied):
     """The tied LM takes ids of batch 2 and 4 tokens (static): batch 1 or 5 tokens is refused, 2 and 4 admitted."""
     from cgstore_client.mint import derived_constants_path
-
     from tests.support.archives import archive_report
 
     name, token = tenant

@@ -10,7 +10,6 @@ from sqlalchemy import event, select, update
 from cgstore.audit.models import AuditEvent
 from cgstore.compiled_graphs.models import CompiledGraph
 from cgstore.compiled_graphs.service import REPORTS_PER_WINDOW
-
 from cgstore_client.binding import signature_from_table
 from cgstore_client.wire.discovery import MAX_DISCOVER_LIMIT, DiscoverAnswer
 from cgstore_client.wire.records import Record, RecordPage
@@ -166,7 +165,6 @@ def test_an_unreadable_record_answers_exactly_like_nothing(store, pt2_archive, r
 def test_newest_first_one_per_key_and_limited(store, pt2_archive, report_a, constants_a, pt2_archive_tied):
     """Two graphs of one declaration: the newest first; a key held twice is one candidate (resolve's best)."""
     from cgstore_client.mint import derived_constants_path
-
     from tests.support.archives import archive_report
 
     name = unique_repo()
@@ -346,7 +344,6 @@ def test_the_client_publishes_release_and_code_and_a_module_signature_finds_it(s
     from cgstore_client import Client
     from cgstore_client.archive import inspect
     from cgstore_client.binding import code_fingerprint, signature_from_module
-
     from tests.support.archives import tiny_model
 
     name = unique_repo()

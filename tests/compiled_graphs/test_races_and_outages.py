@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-import uuid
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from cgstore_client.keys import Envelope, Toolchain, ck1
 
 from cgstore.audit.models import AuditEvent
+from cgstore_client.keys import Envelope, Toolchain, ck1
 from tests.audit.conftest import rows
 from tests.compiled_graphs.support import TOOLCHAIN, error_code, publication, publish
 from tests.support.live_store import CONFIGURATIONS, unique_repo

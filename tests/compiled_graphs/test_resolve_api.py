@@ -8,7 +8,6 @@ from sqlalchemy import event, select, update
 
 from cgstore.audit.models import AuditEvent
 from cgstore.compiled_graphs.models import CompiledGraph
-
 from cgstore_client.wire.records import (
     MAX_FREE_FORM_BYTES,
     MAX_PAGE_BYTES,

@@ -13,7 +13,14 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, sync_playwright
 
-from tests.compiled_graphs.support import CONSTANTS_A, Publication, publication, publish, safetensors_bytes, unique_envelope
+from tests.compiled_graphs.support import (
+    CONSTANTS_A,
+    Publication,
+    publication,
+    publish,
+    safetensors_bytes,
+    unique_envelope,
+)
 from tests.support.archives import archive_report
 from tests.support.live_store import unique_repo
 

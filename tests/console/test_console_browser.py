@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlencode, urlparse
 
 import pytest
-from cgstore_client.metadata import QUANTUM_BYTES, RULE_FIT_CONSTRAINED_SPEED
 from playwright.sync_api import Browser, BrowserContext, ConsoleMessage, Locator, Page, Response
-
 from sqlalchemy import update
 
 from cgstore.compiled_graphs.models import CompiledGraph
 from cgstore.console.router import COOKIE
+from cgstore_client.metadata import QUANTUM_BYTES, RULE_FIT_CONSTRAINED_SPEED
 from tests.console.conftest import HOSTILE, HOSTILE_FIELDS, HOSTILE_REASON, SCREENSHOTS
 
 pytestmark = pytest.mark.browser

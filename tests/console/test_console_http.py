@@ -21,7 +21,7 @@ from cgstore.console.router import COOKIE, CSP
 from cgstore.console.service import Aggregates
 from cgstore.operations.blob_health import set_blob_health
 from tests.audit.conftest import rows
-from tests.console.conftest import HOSTILE, HOSTILE_FIELDS, HOSTILE_REASON, h1, next_link, sign_in
+from tests.console.conftest import HOSTILE, HOSTILE_FIELDS, h1, next_link, sign_in
 
 PAGES = ("/console", "/console/records", "/console/audit", "/console/tokens", "/console/storage")
 NAV = ("Overview", "Records", "Audit", "Tokens", "Storage")

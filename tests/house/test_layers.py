@@ -50,7 +50,7 @@ def test_storage_verification_sits_below_the_interface_and_the_drivers(lower):
 
 
 def test_the_contract_side_does_not_reach_into_the_worker_side():
-    assert reaches(CLIENT / "mint.py", ["cgstore_client.loader"]) == []
+    assert reaches(CLIENT / "mint.py", ["cgstore_client.worker.loader"]) == []
 
 
 def test_the_check_sees_an_import_inside_a_function(tmp_path):
@@ -160,3 +160,21 @@ def test_the_circle_check_sees_a_circle_through_a_lazy_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+# -- the client's seam: the contract never imports the worker side -------------------------
+
+WORKER = CLIENT / "worker"
+CONTRACT = sorted(p for p in CLIENT.rglob("*.py") if not p.is_relative_to(WORKER) and p != CLIENT / "__init__.py")
+
+
+@pytest.mark.parametrize("module", CONTRACT, ids=lambda p: str(p.relative_to(CLIENT)))
+def test_the_contract_never_imports_the_worker_side(module):
+    # The package root re-exports the worker's Client: importing it from the contract is the worker too.
+    assert reaches(module, ["cgstore_client.worker"]) == []
+    assert "cgstore_client" not in imported_modules(module)
+
+
+def test_the_store_imports_only_the_contract():
+    store_modules = sorted(STORE.rglob("*.py"))
+    assert [str(p.relative_to(STORE)) for p in store_modules if reaches(p, ["cgstore_client.worker"])] == []

@@ -114,9 +114,9 @@ def test_db_upgrade_migrates_an_external_database_and_serve_refuses_a_stale_one(
 
 def test_token_mint_platform_registers_the_principal(tmp_path):
     from cgstore.core.db import Database
-    from cgstore.settings import Settings
     from cgstore.owners.service import is_platform_principal
     from cgstore.repos.service import write_decision
+    from cgstore.settings import Settings
     from cgstore.tokens.service import TokenService
 
     env = {**os.environ, "CGSTORE_HOME": str(tmp_path)}

@@ -13,15 +13,15 @@ import uuid
 import zipfile
 
 import pytest
-from cgstore_client.wire.admin import AdminStats, RecordSummary
-from cgstore_client.wire.records import Record
 from typer.testing import CliRunner
 
 from cgstore.cli import app
 from cgstore.operations.scrub import scrub
+from cgstore_client.wire.admin import AdminStats, RecordSummary
+from cgstore_client.wire.records import Record
 from tests.compiled_graphs.support import CONSTANTS_A, publication, publish, safetensors_bytes
-from tests.support.tamper import delete_object
 from tests.support.live_store import unique_repo
+from tests.support.tamper import delete_object
 
 
 def _component() -> bytes:

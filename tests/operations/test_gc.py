@@ -42,7 +42,6 @@ from tests.operations.gc_support import (
 )
 from tests.support.live_store import running_store, unique_repo
 
-
 # -- 10k blobs, a third orphaned -------------------------------------------------------------
 
 def test_exactly_the_orphans_are_reclaimed_in_batches_after_a_matching_dry_run(registry):

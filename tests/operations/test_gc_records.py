@@ -12,7 +12,17 @@ from cgstore.blobs.models import Blob, RepoBlob
 from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
 from cgstore.operations import gc
 from tests.compiled_graphs.support import CONSTANTS_A, error_code, publication, safetensors_bytes, upload_all
-from tests.operations.gc_support import GRACE_S, NOW, OLD, RECENT, blob_rows, make_blobs, make_repo, seed_rows, write_objects
+from tests.operations.gc_support import (
+    GRACE_S,
+    NOW,
+    OLD,
+    RECENT,
+    blob_rows,
+    make_blobs,
+    make_repo,
+    seed_rows,
+    write_objects,
+)
 from tests.support.archives import archive_report
 from tests.support.live_store import unique_repo
 

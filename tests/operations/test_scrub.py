@@ -27,12 +27,14 @@ from cgstore.operations.scrub import saved_cursor, scrub
 from tests.compiled_graphs.support import (
     CONSTANTS_A,
     FAMILY,
-    Blob as BlobBytes,
     Publication,
     publication,
     publish,
     safetensors_bytes,
     upload,
+)
+from tests.compiled_graphs.support import (
+    Blob as BlobBytes,
 )
 from tests.support.live_store import CONFIGURATIONS, unique_repo
 from tests.support.services import S3_ENV

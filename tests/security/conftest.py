@@ -12,6 +12,7 @@ import uuid
 
 import jwt
 import pytest
+
 from tests.support.live_store import unique_repo
 
 

@@ -18,8 +18,8 @@ import json
 from typing import Any
 
 import pytest
-from cgstore_client.wire.records import MAX_FREE_FORM_BYTES, MAX_FREE_FORM_DEPTH, Record, RecordPage
 
+from cgstore_client.wire.records import MAX_FREE_FORM_BYTES, MAX_FREE_FORM_DEPTH, Record, RecordPage
 from tests.compiled_graphs.support import publication, publish, upload_all
 from tests.security.conftest import code
 from tests.support.live_store import unique_repo

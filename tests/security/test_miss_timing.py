@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from tests.compiled_graphs.support import CONSTANTS_A, publication, publish, safetensors_bytes
+from tests.security.test_private_caches import jti_of
 from tests.support.archives import archive_report
 from tests.support.audit import audited
 from tests.support.live_store import unique_repo
-from tests.security.test_private_caches import jti_of
 
 PAIRS = 240
 WARM_UP = 10

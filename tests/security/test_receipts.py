@@ -18,10 +18,10 @@ import time
 
 import jwt
 import pytest
-from cgstore_client import Client, Want
-from cgstore_client.outcomes import Eager, Loaded
-from cgstore_client.receipts import RECEIPT_AUDIENCE, RECEIPT_TYP, ReceiptInvalid, verify_receipt
 
+from cgstore_client import Client, Want
+from cgstore_client.receipts import RECEIPT_AUDIENCE, RECEIPT_TYP, ReceiptInvalid, verify_receipt
+from cgstore_client.worker.outcomes import Eager, Loaded
 from tests.compiled_graphs.support import CONSTANTS_A, FAMILY, publication, publish, safetensors_bytes
 from tests.support.archives import archive_report
 from tests.support.live_store import unique_repo

@@ -19,6 +19,7 @@ import time
 import tracemalloc
 import uuid
 from collections.abc import Iterator
+from itertools import pairwise
 
 import blake3
 import httpx
@@ -26,7 +27,6 @@ import pytest
 from botocore.exceptions import ClientError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from itertools import pairwise
 
 from cgstore.core.errors import (
     BlobUnknown,
@@ -37,11 +37,11 @@ from cgstore.core.errors import (
     Unavailable,
 )
 from cgstore.storage import StagedUpload, open_storage
-from cgstore.storage.s3 import driver as s3_driver
-from cgstore.storage.s3 import staging as s3_staging
 from cgstore.storage.fs import FileStorage
 from cgstore.storage.hashing import READ_CHUNK_BYTES, blake3_digest, blob_key, parse_digest
 from cgstore.storage.s3 import S3Storage
+from cgstore.storage.s3 import driver as s3_driver
+from cgstore.storage.s3 import staging as s3_staging
 from cgstore.storage.s3.driver import COMPLETE_READ_TIMEOUT_S
 from cgstore.storage.s3.errors import s3_errors
 from cgstore.storage.s3.multipart import PartBuffers, ViewsReader

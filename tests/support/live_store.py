@@ -21,8 +21,8 @@ import httpx
 import uvicorn
 
 from cgstore.app import create_app
-from cgstore.core import migrate
 from cgstore.context import StoreContext
+from cgstore.core import migrate
 from cgstore.core.serving import server_options
 from cgstore.settings import Settings
 from tests.support.services import S3Server, free_port, use_test_aws_credentials

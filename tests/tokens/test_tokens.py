@@ -22,14 +22,21 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.rsa import generate_private_key
-from hypothesis import given, settings as hsettings
+from hypothesis import given
+from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from sqlalchemy import delete, update
 
+from cgstore import access
+from cgstore.audit.chain import GENESIS, HEAD_ID
+from cgstore.audit.models import AuditEvent, AuditHead
 from cgstore.core.db import Database
 from cgstore.core.errors import BadRequest, Denied, NameInvalid, NameUnknown, RootReserved, TokenInvalid
 from cgstore.core.names import RESERVED_OWNERS
+from cgstore.owners.models import Owner, Principal
+from cgstore.owners.service import is_platform_principal, register_principal
 from cgstore.settings import Settings
+from cgstore.tokens.claims import MAX_TTL_S, Claims
 from cgstore.tokens.grants import (
     ACTIONS,
     LITERAL_OWNER_ACTIONS,
@@ -44,14 +51,8 @@ from cgstore.tokens.grants import (
     parse_grants,
     repo_pattern_matches,
 )
-from cgstore import access
-from cgstore.audit.chain import GENESIS, HEAD_ID
-from cgstore.audit.models import AuditEvent, AuditHead
-from cgstore.owners.models import Owner, Principal
-from cgstore.owners.service import is_platform_principal, register_principal
-from cgstore.tokens.claims import MAX_TTL_S, Claims
-from cgstore.tokens.ring import KeyConfigError, KeyRing, key_id, load_or_create_signing_key
 from cgstore.tokens.models import SigningKey, TokenRecord
+from cgstore.tokens.ring import KeyConfigError, KeyRing, key_id, load_or_create_signing_key
 from cgstore.tokens.service import LEEWAY_S, TokenService
 from tests.support.services import postgres_database
 

@@ -8,12 +8,12 @@ import subprocess
 import sys
 import uuid
 
-from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 from sqlalchemy import select
 
 from cgstore.audit.models import AuditEvent
 from cgstore.repos.service import find_repo
 from cgstore.tokens.models import TokenRecord
+from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 from tests.support.live_store import unique_repo
 
 CGSTORE = [sys.executable, "-m", "cgstore.cli"]

@@ -40,8 +40,8 @@ import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
 from itertools import pairwise
+from typing import Any, BinaryIO
 
 from cgstore_client.archive.errors import (
     ArchiveBomb,

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import typer
-from cgstore_client.wire.admin import DEFAULT_LS_LIMIT, AdminStats, RecordSummary
-from cgstore_client.wire.audit import AuditEntry
-from cgstore_client.wire.records import Record
 from rich.console import Console
 from rich.table import Table
 
 from cgstore.admin import service
 from cgstore.core.db import Database
+from cgstore_client.wire.admin import DEFAULT_LS_LIMIT, AdminStats, RecordSummary
+from cgstore_client.wire.audit import AuditEntry
+from cgstore_client.wire.records import Record
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="One JSON object per line.")]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from cgstore_client.wire.admin import AdminStats
 from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
@@ -10,6 +9,7 @@ from cgstore.admin import service
 from cgstore.context import StoreContext, get_context
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
+from cgstore_client.wire.admin import AdminStats
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 

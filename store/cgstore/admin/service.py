@@ -11,19 +11,8 @@ API shows those to their publisher only), each marked ``private``.
 
 from __future__ import annotations
 
-from cgstore_client.wire.admin import (
-    DEFAULT_LS_LIMIT,
-    STATS_RECENT,
-    STATS_TOP_PUBLISHERS,
-    AdminStats,
-    PublisherCount,
-    RecordCount,
-    RecordSummary,
-    StorageBytes,
-)
 from dataclasses import dataclass
 
-from cgstore_client.wire.records import Record
 from sqlalchemy import func, select, union
 from sqlalchemy.orm import Session
 
@@ -37,6 +26,17 @@ from cgstore.context import StoreContext
 from cgstore.core.errors import BadRequest, KeyConflict
 from cgstore.repos.models import Repo
 from cgstore.tokens.claims import Claims
+from cgstore_client.wire.admin import (
+    DEFAULT_LS_LIMIT,
+    STATS_RECENT,
+    STATS_TOP_PUBLISHERS,
+    AdminStats,
+    PublisherCount,
+    RecordCount,
+    RecordSummary,
+    StorageBytes,
+)
+from cgstore_client.wire.records import Record
 
 _LIVE = CompiledGraph.yanked_at.is_(None)
 

@@ -142,8 +142,8 @@ def ring_public_keys(session: Session) -> dict[str, Ed25519PublicKey]:
 
     A row whose key does not hash to its kid is left out: its checkpoints fail.
     """
-    from cgstore.tokens.ring import key_id
     from cgstore.tokens.models import SigningKey
+    from cgstore.tokens.ring import key_id
 
     found = {}
     for kid, pem in session.execute(select(SigningKey.kid, SigningKey.public_key)):

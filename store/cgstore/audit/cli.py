@@ -31,12 +31,12 @@ from typing import Annotated
 
 import jwt
 import typer
-from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
 from rich.console import Console
 from rich.table import Table
 
 from cgstore.audit import chain, service
 from cgstore.core.db import Database, utcnow
+from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
 
 
 def parse_moment(text: str, parse_duration) -> dt.datetime:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Literal
 
-from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditPage
 from fastapi import APIRouter, Depends, Query
 from starlette.concurrency import run_in_threadpool
 
@@ -14,6 +13,7 @@ from cgstore.context import StoreContext, get_context
 from cgstore.core.http import QueryInt, parse_utc
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
+from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditPage
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"])
 

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry, AuditPage
 from sqlalchemy import ColumnElement, func, select, union_all
 from sqlalchemy.orm import Session
 
@@ -51,6 +50,7 @@ from cgstore.core.db import Database, utcnow
 from cgstore.core.errors import BadRequest
 from cgstore.core.http import parse_row_id
 from cgstore.tokens.claims import Claims
+from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry, AuditPage
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,15 @@ from starlette.concurrency import run_in_threadpool
 from cgstore.blobs import service
 from cgstore.blobs.schemas import MissingAnswer, MissingQuery
 from cgstore.context import StoreContext, get_context
-from cgstore.core.http import NO_BODY, declared_length, feed_body, json_body, parse_content_range, parse_range, read_json
+from cgstore.core.http import (
+    NO_BODY,
+    declared_length,
+    feed_body,
+    json_body,
+    parse_content_range,
+    parse_range,
+    read_json,
+)
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 

@@ -29,7 +29,6 @@ import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 
-from cgstore_client.keys import is_digest
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
@@ -38,25 +37,26 @@ from cgstore.audit.service import record
 from cgstore.blobs.models import BLOB_OK, Blob, RepoBlob, RepoBlobHolder, UploadSession
 from cgstore.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
-from cgstore.core.http import BodyConsumer
 from cgstore.core.errors import (
     BlobUnknown,
     BlobUploadUnknown,
     DigestInvalid,
     RangeInvalid,
     SizeInvalid,
-    TooLarge,
     StoreError,
+    TooLarge,
     Unavailable,
     maybe_hidden_miss,
 )
 from cgstore.core.faults import crash_point
+from cgstore.core.http import BodyConsumer
 from cgstore.core.names import split_repo_path
 from cgstore.operations.blob_health import set_blob_health
 from cgstore.repos.models import Repo
 from cgstore.repos.service import ensure_repo, readable_repo, writable_repo
 from cgstore.storage import StagedUpload
 from cgstore.tokens.claims import Claims
+from cgstore_client.keys import is_digest
 
 MAX_MISSING_QUERY = 1024
 # What ``open_session`` hands out (a uuid4 as 32 lowercase hex). Anything else

@@ -39,14 +39,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cgstore_client.archive import DEFAULT_LIMITS, ArchiveError, ArchiveReport, inspect
-from cgstore_client.binding import discovery_digest, from_checkpoint, is_code_fingerprint, is_release
-from cgstore_client.components import ComponentHeader, ComponentInvalid, header_length, read_header
-from cgstore_client.errors import EnvelopeError, KeyInvalid as ClientKeyInvalid, ToolchainError
-from cgstore_client.keys import Envelope, Toolchain, ck1, digest, is_digest, validate_key, validate_sm
-from cgstore_client.metadata import KIND_AOT_INDUCTOR, KIND_RETIRED_INDUCTOR_CACHE, is_lane
-from cgstore_client.wire.records import Manifest, ToolchainAxis, unservable
-
 from cgstore.core.errors import (
     ArtifactInvalid,
     ContractMismatch,
@@ -62,6 +54,14 @@ from cgstore.core.errors import (
     SmMismatch,
     from_client_error,
 )
+from cgstore_client.archive import DEFAULT_LIMITS, ArchiveError, ArchiveReport, inspect
+from cgstore_client.binding import discovery_digest, from_checkpoint, is_code_fingerprint, is_release
+from cgstore_client.components import ComponentHeader, ComponentInvalid, header_length, read_header
+from cgstore_client.errors import EnvelopeError, ToolchainError
+from cgstore_client.errors import KeyInvalid as ClientKeyInvalid
+from cgstore_client.keys import Envelope, Toolchain, ck1, digest, is_digest, validate_key, validate_sm
+from cgstore_client.metadata import KIND_AOT_INDUCTOR, KIND_RETIRED_INDUCTOR_CACHE, is_lane
+from cgstore_client.wire.records import Manifest, ToolchainAxis, unservable
 
 FORMAT_PT2 = "pt2"
 SOURCE_CHECKPOINT = "checkpoint"

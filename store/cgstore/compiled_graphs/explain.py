@@ -22,7 +22,6 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from cgstore_client.wire.discovery import AxisDifference, DiscoverRequest, MissExplanation, NearestRecord
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -32,6 +31,7 @@ from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph
 from cgstore.owners.models import Owner
 from cgstore.repos.models import Repo
 from cgstore.tokens.claims import Claims
+from cgstore_client.wire.discovery import AxisDifference, DiscoverRequest, MissExplanation, NearestRecord
 
 #: Records of the family looked at for one explanation, newest first.
 MAX_EXAMINED = 256

@@ -35,6 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import jwt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
+from cgstore.core.names import is_reserved_owner
+from cgstore.repos.models import Repo
+from cgstore.tokens.ring import KeyRing
 from cgstore_client.receipts import (
     RECEIPT_ALGORITHM,
     RECEIPT_AUDIENCE,
@@ -44,14 +52,6 @@ from cgstore_client.receipts import (
     verify_receipt,
 )
 from cgstore_client.wire.records import Record
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
-from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
-from cgstore.core.names import is_reserved_owner
-from cgstore.repos.models import Repo
-from cgstore.tokens.ring import KeyRing
 
 # Records re-signed per query when a key retires (bounded memory, whatever the table's size).
 _RESIGN_BATCH = 500

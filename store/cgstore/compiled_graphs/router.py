@@ -12,6 +12,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from cgstore.compiled_graphs import service
+from cgstore.context import StoreContext, get_context
+from cgstore.core.cursors import CURSOR_LEN
+from cgstore.core.http import QueryInt, error_doc, json_body, read_json
+from cgstore.core.urls import public_location
+from cgstore.tokens.claims import Claims
+from cgstore.tokens.dependencies import require_claims
 from cgstore_client.wire.discovery import DiscoverAnswer, DiscoverRequest, DriftReport
 from cgstore_client.wire.records import (
     DEFAULT_LIST_LIMIT,
@@ -25,14 +32,6 @@ from cgstore_client.wire.records import (
     ResolveRequest,
     YankRequest,
 )
-
-from cgstore.compiled_graphs import service
-from cgstore.context import StoreContext, get_context
-from cgstore.core.cursors import CURSOR_LEN
-from cgstore.core.http import QueryInt, error_doc, json_body, read_json
-from cgstore.core.urls import public_location
-from cgstore.tokens.claims import Claims
-from cgstore.tokens.dependencies import require_claims
 
 repo_router = APIRouter(prefix="/v1/repos/{owner}/{repo}/compiled-graphs", tags=["compiled-graphs"])
 resolve_router = APIRouter(prefix="/v1", tags=["compiled-graphs"])

@@ -35,28 +35,6 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from cgstore_client.binding import is_binding_signature, signature_from_table
-from cgstore_client.components import ComponentHeader
-from cgstore_client.keys import is_key
-from cgstore_client.wire.discovery import DiscoverRequest, DriftReport
-from cgstore_client.wire.records import (
-    MAX_LIST_LIMIT,
-    MAX_PAGE_BYTES,
-    Artifact,
-    Axes,
-    Binding,
-    ComponentRef,
-    Evidence,
-    LayoutStamp,
-    Manifest,
-    PublishAnswer,
-    Publisher,
-    Record,
-    RecordPage,
-    ResolveRequest,
-    ToolchainAxis,
-    Yank,
-)
 from pydantic_core import to_json
 from sqlalchemy import ColumnElement, delete, exists, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -92,6 +70,28 @@ from cgstore.owners.models import Owner
 from cgstore.repos.models import Repo
 from cgstore.repos.service import find_repo, readable_repo, write_decision, yank_decision
 from cgstore.tokens.claims import Claims
+from cgstore_client.binding import is_binding_signature, signature_from_table
+from cgstore_client.components import ComponentHeader
+from cgstore_client.keys import is_key
+from cgstore_client.wire.discovery import DiscoverRequest, DriftReport
+from cgstore_client.wire.records import (
+    MAX_LIST_LIMIT,
+    MAX_PAGE_BYTES,
+    Artifact,
+    Axes,
+    Binding,
+    ComponentRef,
+    Evidence,
+    LayoutStamp,
+    Manifest,
+    PublishAnswer,
+    Publisher,
+    Record,
+    RecordPage,
+    ResolveRequest,
+    ToolchainAxis,
+    Yank,
+)
 
 ACTION_PUBLISH = "compiled_graph.publish"
 #: Statuses of a publish refused for what it sent (KEY_MISMATCH, ARTIFACT_INVALID, METADATA_INVALID, …).

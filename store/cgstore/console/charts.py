@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cgstore_client.lanes import fit_requirement_bytes
 from markupsafe import Markup, escape
+
+from cgstore_client.lanes import fit_requirement_bytes
 
 GIB = 1 << 30
 #: The card sizes the fit chart draws its lanes against (GiB of device memory): the common datacenter cards.

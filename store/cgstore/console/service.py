@@ -38,10 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from cgstore_client.wire.admin import AdminStats, RecordSummary, StorageBytes
-from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
-from cgstore_client.wire.records import MAX_LIST_LIMIT, Record
-from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 from markupsafe import Markup
 
 from cgstore.access import is_admin
@@ -60,6 +56,10 @@ from cgstore.operations import leases
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.ring import KeyInfo
 from cgstore.tokens.service import TokenInfo
+from cgstore_client.wire.admin import AdminStats, RecordSummary, StorageBytes
+from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
+from cgstore_client.wire.records import MAX_LIST_LIMIT, Record
+from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 
 #: Rows per page of the records, audit and tokens pages (each at most its JSON listing's bound).
 PAGE_ROWS = 50

@@ -12,8 +12,9 @@ import datetime as dt
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from cgstore_client import errors as client_errors
 from sqlalchemy.orm import Session
+
+from cgstore_client import errors as client_errors
 
 #: Whether a miss hid an item the caller may not read at the time it was answered (the second
 #: argument), asked of the database when its audit row is due.

@@ -24,8 +24,6 @@ from typing import Annotated, Any, TypeVar
 
 import anyio
 import sqlalchemy.exc
-from cgstore_client.errors import CgstoreError
-from cgstore_client.keys import strict_json_loads
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -46,6 +44,8 @@ from cgstore.core.errors import (
     from_client_error,
 )
 from cgstore.core.inputs import check_text
+from cgstore_client.errors import CgstoreError
+from cgstore_client.keys import strict_json_loads
 
 log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)

@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-
 #: The ``family`` label of resolves whose family is not on the allow-list.
 OTHER_FAMILY = "other"
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from cgstore_client.wire.records import MAX_RESOLVE_KEYS
 from prometheus_client import generate_latest
 
 from cgstore import access
 from cgstore.context import StoreContext
 from cgstore.core.errors import NameUnknown
+from cgstore_client.wire.records import MAX_RESOLVE_KEYS
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from cgstore_client.wire.owners import OwnerClaim, OwnerInfo
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
@@ -11,6 +10,7 @@ from cgstore.core.http import json_body, read_json
 from cgstore.owners import service
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
+from cgstore_client.wire.owners import OwnerClaim, OwnerInfo
 
 router = APIRouter(prefix="/v1/owners", tags=["owners"])
 

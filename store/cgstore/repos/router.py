@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from cgstore_client.wire.owners import RepoInfo, RepoSettings
 from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -19,6 +18,7 @@ from cgstore.core.http import QueryInt, json_body, read_json
 from cgstore.repos import service
 from cgstore.tokens.claims import MAX_TTL_S, Claims
 from cgstore.tokens.dependencies import require_claims
+from cgstore_client.wire.owners import RepoInfo, RepoSettings
 
 router = APIRouter(prefix="/v1/repos/{owner}/{repo}", tags=["repos"])
 

@@ -7,7 +7,7 @@ staged bytes for resumable upload sessions; ``Storage`` builds verified
 streaming blob writes on them once (``writer.py``), for every driver.
 """
 
-from cgstore.storage.base import BlobWriter, Storage, StagedUpload
+from cgstore.storage.base import BlobWriter, StagedUpload, Storage
 
 __all__ = ["BlobWriter", "Storage", "StagedUpload", "open_storage"]
 

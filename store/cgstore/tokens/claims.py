@@ -12,10 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cgstore_client.wire.tokens import MAX_SUB_LEN, MAX_TTL_S
-
 from cgstore.core.errors import BadRequest
 from cgstore.tokens.grants import Grant, grant_allows, grant_allows_owner, grants_to_json
+from cgstore_client.wire.tokens import MAX_SUB_LEN, MAX_TTL_S
 
 AUDIENCE = "cgstore"
 ALGORITHM = "EdDSA"

@@ -28,14 +28,13 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from cgstore_client.wire.tokens import MAX_GRANTS
-
 from cgstore.core.errors import BadRequest
 from cgstore.core.names import (
     RESERVED_OWNERS,
     is_valid_owner,
     is_valid_repo,
 )
+from cgstore_client.wire.tokens import MAX_GRANTS
 
 READ, WRITE, OWNER_CREATE, ADMIN = "read", "write", "owner:create", "admin"
 ACTIONS = frozenset({READ, WRITE, OWNER_CREATE, ADMIN})

@@ -11,6 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from fastapi import APIRouter, Depends, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from cgstore.access import is_admin
+from cgstore.context import StoreContext, get_context
+from cgstore.core.http import QueryInt, json_body, read_json
+from cgstore.tokens import service
+from cgstore.tokens.claims import MAX_JTI_LEN, MAX_SUB_LEN, Claims
+from cgstore.tokens.dependencies import require_claims
 from cgstore_client.wire.tokens import (
     DEFAULT_TOKEN_PAGE,
     MAX_TOKEN_PAGE,
@@ -24,15 +33,6 @@ from cgstore_client.wire.tokens import (
     TokenInfo,
     TokenList,
 )
-from fastapi import APIRouter, Depends, Query, Request, Response
-from starlette.concurrency import run_in_threadpool
-
-from cgstore.access import is_admin
-from cgstore.context import StoreContext, get_context
-from cgstore.core.http import QueryInt, json_body, read_json
-from cgstore.tokens import service
-from cgstore.tokens.claims import MAX_JTI_LEN, MAX_SUB_LEN, Claims
-from cgstore.tokens.dependencies import require_claims
 
 router = APIRouter(prefix="/v1", tags=["tokens"])
 

@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jwt
-from cgstore_client.receipts import RECEIPT_TYP
-from cgstore_client.wire.tokens import DEFAULT_TOKEN_PAGE, MAX_TOKEN_PAGE
 from sqlalchemy import ColumnElement, and_, or_, select, text, update
 from sqlalchemy.orm import Session
 
@@ -58,8 +56,10 @@ from cgstore.tokens.claims import (
     valid_sub,
 )
 from cgstore.tokens.grants import Grant, GrantInvalid, grants_to_json, literal_owners, parse_grants
-from cgstore.tokens.ring import KID_LEN, KeyRing, KeyRow
 from cgstore.tokens.models import TokenRecord
+from cgstore.tokens.ring import KID_LEN, KeyRing, KeyRow
+from cgstore_client.receipts import RECEIPT_TYP
+from cgstore_client.wire.tokens import DEFAULT_TOKEN_PAGE, MAX_TOKEN_PAGE
 
 # Clock skew tolerated between this process and whoever judges "now" elsewhere.
 LEEWAY_S = 10

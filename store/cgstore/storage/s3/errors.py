@@ -16,11 +16,13 @@ from collections.abc import Iterator
 
 from botocore.exceptions import (
     ClientError,
-    ConnectionError as BotoConnectionError,
     HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
 )
 
 from cgstore.core.errors import Unavailable

@@ -24,9 +24,9 @@ from typing import Annotated, Any
 
 import typer
 
-from cgstore_client.outcomes import Eager, Loaded, Want
-from cgstore_client.client import Client
 from cgstore_client.errors import CgstoreError
+from cgstore_client.worker.client import Client
+from cgstore_client.worker.outcomes import Eager, Loaded, Want
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False,
@@ -172,7 +172,7 @@ def _toolchain(text: str | None) -> Any:
     """``--toolchain`` as given, else this environment's (the one ``client.boot`` declares by default)."""
     if text is not None:
         return _json_option("toolchain", text)
-    from cgstore_client.mint import environment_toolchain
+    from cgstore_client.environment import environment_toolchain
 
     return environment_toolchain()
 
@@ -196,7 +196,7 @@ def discover(
     as_json: JsonFlag = False,
 ) -> None:
     """Find the live records of a declaration (what ``client.boot`` asks), best first. Exit 1 on a miss."""
-    from cgstore_client import discovery
+    from cgstore_client.worker import discovery
 
     with _refusals(as_json), _client() as client:
         request = discovery.discover_request(
@@ -216,7 +216,7 @@ def discover(
 
 
 def _environment_sm() -> str:
-    from cgstore_client.mint import environment_sm
+    from cgstore_client.environment import environment_sm
 
     return environment_sm()
 

@@ -15,7 +15,7 @@ default) is fetched as ``Range`` parts over up to ``connections`` (8) at once.
   later parts still arrive, reading back from the file what the parts wrote, so
   when the last part lands only the tail is left to hash.
 - **Faults.** A failed part is retried alone from where it stopped (the client's
-  :class:`~cgstore_client.http.Retry` policy); a server answering 200 to a ranged
+  :class:`~cgstore_client.worker.http.Retry` policy); a server answering 200 to a ranged
   request, or a Content-Range other than the one asked, makes the whole blob
   fall back to one stream; a redirect target (a presigned URL) that starts
   refusing (expired mid-download) is resolved again through the store, once.
@@ -43,10 +43,10 @@ from typing import BinaryIO
 
 import blake3
 
-from cgstore_client.cache import Cache
 from cgstore_client.errors import DeadlineExceeded, Denied, IntegrityError, Refused, TooLarge, Unauthorized, Unavailable
-from cgstore_client.http import READ_TIMEOUT_S, Retry, Stream, open_stream, same_origin
 from cgstore_client.limits import Limits
+from cgstore_client.worker.cache import Cache
+from cgstore_client.worker.http import READ_TIMEOUT_S, Retry, Stream, open_stream, same_origin
 
 #: As ``aria2c -x16``: at C = 32 MiB/s a link of A = 256 MiB/s and above needs more than 8
 #: connections to fill (``bench/boot_network.py``: 8 gave 0.86 of aria2c, 16 gave 1.01).

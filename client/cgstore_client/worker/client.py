@@ -31,10 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cgstore_client import outcomes
 from cgstore_client.archive import inspect
-from cgstore_client.outcomes import Eager, Loaded, Want
-from cgstore_client.cache import Cache, hash_file
 from cgstore_client.errors import (
     CgstoreError,
     CompiledRequired,
@@ -45,8 +42,6 @@ from cgstore_client.errors import (
     Refused,
     Unavailable,
 )
-from cgstore_client.download import DEFAULT_CONNECTIONS, DEFAULT_PART_BYTES, Plan, Progress, Slots, download
-from cgstore_client.http import Retry, Transport, file_chunks, parse_answer, record_path, split_repo, store_path
 from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
 from cgstore_client.lanes import DEFAULT_LANE, resolve_lane
 from cgstore_client.limits import Limits
@@ -60,9 +55,14 @@ from cgstore_client.receipts import (
 )
 from cgstore_client.wire.discovery import Candidate
 from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
+from cgstore_client.worker import outcomes
+from cgstore_client.worker.cache import Cache, hash_file
+from cgstore_client.worker.download import DEFAULT_CONNECTIONS, DEFAULT_PART_BYTES, Plan, Progress, Slots, download
+from cgstore_client.worker.http import Retry, Transport, file_chunks, parse_answer, record_path, split_repo, store_path
+from cgstore_client.worker.outcomes import Eager, Loaded, Want
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from cgstore_client.discovery import Booted
+    from cgstore_client.worker.discovery import Booted
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
 #: Blobs at least this large go through a resumable upload session rather than one PUT.
@@ -451,7 +451,7 @@ class Client:
             receipt=entry.get("receipt"),
         )
 
-    # --- boot by declaration (cgstore_client.discovery) ------------------------------------
+    # --- boot by declaration (cgstore_client.worker.discovery) ------------------------------------
 
     def discover(self, family: str, *, envelope: Envelope | Mapping[str, object], sm: str,
                  toolchain: Toolchain | Mapping[str, str], **options: Any) -> list[Candidate]:
@@ -459,14 +459,14 @@ class Client:
 
         ``options``: ``release``, ``binding_signature``, ``code``, ``limit``; see :func:`discovery.discover_request`.
         """
-        from cgstore_client import discovery
+        from cgstore_client.worker import discovery
 
         request = discovery.discover_request(family, envelope=envelope, sm=sm, toolchain=toolchain, **options)
         return discovery.discover(self, request)
 
     def boot(self, family: str, model: Any, *, envelope: Envelope | Mapping[str, object], **options: Any) -> Booted:
         """Serve ``model`` compiled from a discovered record, confirmed as asked; see :func:`discovery.boot`."""
-        from cgstore_client import discovery
+        from cgstore_client.worker import discovery
 
         return discovery.boot_by_declaration(self, family, model, envelope=envelope, **options)
 

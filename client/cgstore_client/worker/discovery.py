@@ -37,11 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import blake3
 
-from cgstore_client import outcomes
-from cgstore_client.outcomes import Eager, Loaded, admits_contract
-from cgstore_client.cache import Cache
 from cgstore_client.errors import CgstoreError, CompiledRequired, NotFound, Offline, Unavailable
-from cgstore_client.http import Transport, parse_answer, record_path
 from cgstore_client.keys import Envelope, Toolchain, canonical_json
 from cgstore_client.wire.discovery import (
     DEFAULT_DISCOVER_LIMIT,
@@ -52,6 +48,10 @@ from cgstore_client.wire.discovery import (
     MissExplanation,
 )
 from cgstore_client.wire.records import MAX_REASON_CHARS, ToolchainAxis
+from cgstore_client.worker import outcomes
+from cgstore_client.worker.cache import Cache
+from cgstore_client.worker.http import Transport, parse_answer, record_path
+from cgstore_client.worker.outcomes import Eager, Loaded, admits_contract
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -243,7 +243,7 @@ def boot_by_declaration(
 
 def _declaration(family, model, envelope, toolchain, sm, release, code, device) -> DiscoverRequest:
     from cgstore_client.binding import code_fingerprint, signature_from_module
-    from cgstore_client.mint import environment_sm, environment_toolchain
+    from cgstore_client.environment import environment_sm, environment_toolchain
 
     fingerprint = code_fingerprint(model) if code is True else (code or None)
     return discover_request(family, envelope=envelope, sm=sm or environment_sm(device),
@@ -307,7 +307,7 @@ def _serve_first(client, model, request: DiscoverRequest, answer: DiscoverAnswer
 
 def _serve_candidate(client: Client, candidate: Candidate, signature: str | None, shapes, weights, device):
     """(Loaded, compiled callable) through the structural gate, or why this candidate is not served."""
-    from cgstore_client.loader import BindingError, load_compiled
+    from cgstore_client.worker.loader import BindingError, load_compiled
 
     if candidate.binding_signature != signature:  # the store filters on it; the cache and the client check
         return f"binds other tensors ({candidate.binding_signature})"
