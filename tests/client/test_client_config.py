@@ -103,3 +103,16 @@ def test_an_unreachable_store_is_a_retryable_unavailable(tmp_path):
             c.fetch_blob("acme/m", "blake3:" + "0" * 64)
     assert down.value.retryable and down.value.status is None
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_boot_and_discover_spell_out_their_keywords():
+    """``help(client.boot)`` and type checkers see every keyword of a declaration (no ``**options``)."""
+    import inspect
+
+    boot = inspect.signature(Client.boot).parameters
+    assert {"toolchain", "sm", "release", "code", "mandatory", "confirm", "example_inputs", "checkpoint",
+            "device"} <= set(boot)
+    discover = inspect.signature(Client.discover).parameters
+    assert {"release", "binding_signature", "code", "limit"} <= set(discover)
+    for parameters in (boot, discover):
+        assert all(p.kind != inspect.Parameter.VAR_KEYWORD for p in parameters.values())

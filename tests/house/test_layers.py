@@ -1,12 +1,16 @@
-"""The house's arrows run one way: a test fails when a module imports a layer above it.
+"""The house's rules, each a test: a module that breaks one fails here.
 
 - ``core/`` (infrastructure) imports no feature package;
 - in ``storage/``, ``hashing`` and ``writer`` sit below the interface
   (``base``) and the drivers (``fs``, ``s3``): they never import them;
-- in the client, the contract side (``mint``) never imports the worker side
-  (``loader``): the safetensors writer both use lives in ``components``.
+- the client's contract (everything in ``cgstore_client`` but ``worker/``
+  and the package root, which re-exports the worker's ``Client``) never
+  imports the worker side; the store imports only the contract;
+- no import circle anywhere in the store or the client;
+- no module imports another module's private name (``from x import _y``).
 
-Imports are read statically (``ast``), lazy ones inside functions included.
+Imports are read statically (``ast``): lazy ones inside functions and those
+under ``TYPE_CHECKING`` included.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from cgstore_client.receipts import (
     proves_root,
     verify_jws_receipt,
 )
-from cgstore_client.wire.discovery import Candidate
+from cgstore_client.wire.discovery import DEFAULT_DISCOVER_LIMIT, Candidate
 from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
 from cgstore_client.worker import outcomes
 from cgstore_client.worker.cache import Cache, hash_file
@@ -453,22 +453,62 @@ class Client:
 
     # --- boot by declaration (cgstore_client.worker.discovery) ------------------------------------
 
-    def discover(self, family: str, *, envelope: Envelope | Mapping[str, object], sm: str,
-                 toolchain: Toolchain | Mapping[str, str], **options: Any) -> list[Candidate]:
+    def discover(
+        self,
+        family: str,
+        *,
+        envelope: Envelope | Mapping[str, object],
+        sm: str,
+        toolchain: Toolchain | Mapping[str, str],
+        release: str | None = None,
+        binding_signature: str | None = None,
+        code: str | None = None,
+        limit: int = DEFAULT_DISCOVER_LIMIT,
+    ) -> list[Candidate]:
         """The live records matching a declaration, best first (offline or with the store down: the cached answer).
 
-        ``options``: ``release``, ``binding_signature``, ``code``, ``limit``; see :func:`discovery.discover_request`.
+        ``release``, ``binding_signature`` and ``code`` narrow the search when given; at most ``limit``
+        candidates (see :func:`cgstore_client.worker.discovery.discover_request`).
         """
         from cgstore_client.worker import discovery
 
-        request = discovery.discover_request(family, envelope=envelope, sm=sm, toolchain=toolchain, **options)
+        request = discovery.discover_request(family, envelope=envelope, sm=sm, toolchain=toolchain, release=release,
+                                             binding_signature=binding_signature, code=code, limit=limit)
         return discovery.discover(self, request)
 
-    def boot(self, family: str, model: Any, *, envelope: Envelope | Mapping[str, object], **options: Any) -> Booted:
-        """Serve ``model`` compiled from a discovered record, confirmed as asked; see :func:`discovery.boot`."""
+    def boot(
+        self,
+        family: str,
+        model: Any,
+        *,
+        envelope: Envelope | Mapping[str, object],
+        toolchain: Toolchain | Mapping[str, str] | None = None,
+        sm: str | None = None,
+        release: str | None = None,
+        code: bool | str = True,
+        mandatory: bool = False,
+        confirm: str | None = None,
+        example_inputs: tuple[Any, ...] | None = None,
+        checkpoint: Any = None,
+        device: str = "cpu",
+    ) -> Booted:
+        """Serve ``model`` compiled from a record discovered by its declaration, confirmed as asked, else eager.
+
+        The declaration: ``family``, ``envelope``, ``sm`` and ``toolchain`` (this environment's when
+        None: ``cgstore_client.environment``), ``release``, and ``code`` (True: the fingerprint of the
+        model's source; a ``cf1:`` string: that one; False: any code). ``mandatory`` raises
+        :class:`CompiledRequired` instead of serving eager. ``confirm``: ``"before"`` (trace and compare
+        before serving), ``"background"`` (serve, then confirm off the critical path) or ``"never"``;
+        ``example_inputs`` feed the confirmation and the structural gate. ``checkpoint`` binds other
+        weights by name (default: the model's own); ``device`` is where the graph runs.
+        See :func:`cgstore_client.worker.discovery.boot_by_declaration`.
+        """
         from cgstore_client.worker import discovery
 
-        return discovery.boot_by_declaration(self, family, model, envelope=envelope, **options)
+        return discovery.boot_by_declaration(
+            self, family, model, envelope=envelope, toolchain=toolchain, sm=sm, release=release, code=code,
+            mandatory=mandatory, confirm=confirm, example_inputs=example_inputs, checkpoint=checkpoint, device=device,
+        )
 
     # --- publish -----------------------------------------------------------------------
 
