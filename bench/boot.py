@@ -36,8 +36,9 @@ from _common import emit_result, log, production_stack
 from cgstore_client import Client, Want
 from cgstore_client.archive import graph_digest_from_program
 from cgstore_client.binding import code_fingerprint
+from cgstore_client.environment import environment_sm, environment_toolchain
 from cgstore_client.keys import ck1
-from cgstore_client.mint import derived_constants_path, environment_sm, environment_toolchain, package_compiled_graph
+from cgstore_client.mint import derived_constants_path, package_compiled_graph
 from cgstore_client.worker.client import DERIVED_COMPONENT
 from cgstore_client.worker.loader import load_compiled
 from client import small_model

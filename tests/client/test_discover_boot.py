@@ -26,8 +26,9 @@ import torch
 from cgstore_client import Booted, Client, CompiledRequired
 from cgstore_client.archive import inspect
 from cgstore_client.binding import code_fingerprint
+from cgstore_client.environment import environment_sm, environment_toolchain
 from cgstore_client.keys import Envelope, Toolchain
-from cgstore_client.mint import derived_constants_path, environment_sm, environment_toolchain
+from cgstore_client.mint import derived_constants_path
 from tests.support.archives import REPO, tiny_inputs, tiny_model
 from tests.support.docs import example
 from tests.support.live_store import CONFIGURATIONS, unique_repo

@@ -43,7 +43,7 @@ def saved_jwks(store, tmp_path):
     return path
 
 
-def test_load_serves_only_records_whose_receipt_a_pinned_key_signed(store, published, tmp_path):
+def test_load_serves_only_records_whose_receipt_a_pinned_key_signed(store, published, tmp_path):  # noqa: F811
     repo, token, key = published
     gets = blob_gets(store)
     with Client(store.base_url, token, cache_dir=tmp_path / "foreign", trusted_jwks=[foreign_thumbprint()]) as client:

@@ -332,8 +332,8 @@ def test_hostile_strings_render_as_text(tab, store, admin, registry):
     tab.go(f"/console/records/{registry.private_repo}/{hostile.key}")
     shown = tab.page.locator("article.record").all_inner_texts()
     assert len(shown) == 2  # one per publisher of the key
-    for field, marker in HOSTILE_FIELDS.items():
-        assert any(marker in text for text in shown), field
+    for name, marker in HOSTILE_FIELDS.items():
+        assert any(marker in text for text in shown), name
     assert tab.page.get_by_role("heading", name=f"Published by {HOSTILE}").count() == 1
     _assert_nothing_injected(tab)
 

@@ -377,7 +377,7 @@ def test_the_audit_page_shows_aggregated_401s_with_their_count(store, console):
 
 
 def test_hostile_strings_render_as_text(store, console, registry, admin):
-    target = registry.yank_another_with_a_hostile_reason(store, admin)
+    registry.yank_another_with_a_hostile_reason(store, admin)
     pages = [
         console.get("/console/records", params={"family": registry.family}),
         console.get("/console/records", params={"publisher": HOSTILE, "repo": registry.repo}),

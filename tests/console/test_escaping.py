@@ -96,7 +96,7 @@ def test_the_consoles_filters_return_plain_text(name):
     assert name in HOSTILE_INPUT, f"a new filter {name!r}: add a hostile input for it here"
     shown = TEMPLATES.filters[name](HOSTILE_INPUT[name])
     assert type(shown) is str and not hasattr(shown, "__html__")  # escaped on output like any value
-    assert TEMPLATES.from_string("{{ x | %s }}" % name).render(x=HOSTILE_INPUT[name]).count("<") == 0
+    assert TEMPLATES.from_string(f"{{{{ x | {name} }}}}").render(x=HOSTILE_INPUT[name]).count("<") == 0
 
 
 class _MarkupMakers(ast.NodeVisitor):

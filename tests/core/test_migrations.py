@@ -58,7 +58,7 @@ def test_0012_backfills_discovery_digests_and_leaves_binding_signatures_null(emp
     from cgstore_client.binding import discovery_digest
 
     migrate.upgrade(empty_database, "0011_audit_chain")
-    now = dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
     envelope, toolchain = "blake3:" + "e" * 64, "blake3:" + "7" * 64
     recorded = {"diffusers": "0.35.1", "transformers": "4.57.1"}
     engine = create_engine(empty_database)

@@ -328,7 +328,7 @@ def ensure_archives() -> BuiltArchives:
     return BuiltArchives(directory=final, record=record)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def archive_report(path: Path) -> ArchiveReport:
     """``inspect(path)``, once per path per session."""
     return inspect(path)

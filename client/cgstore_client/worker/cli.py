@@ -279,7 +279,7 @@ def verify(as_json: JsonFlag = False) -> None:
     """Re-hash every cached blob; remove the ones that no longer match (exit 1 if any)."""
     client = _client()
     good, bad = [], []
-    for digest, path in list(client.cache.blobs()):
+    for digest, _path in list(client.cache.blobs()):
         (good if client.cache.rehash(digest) else bad).append(digest)
     _emit(as_json, {"verified": good, "removed": bad},
           [f"{len(good)} blobs verified, {len(bad)} removed", *(f"removed {d}" for d in bad)])

@@ -316,7 +316,7 @@ class Client:
         trusted = {w.key: self._trusted(entries[w.key], root_only=w.root_only) for w in wants}
         fetched = self._fetch_all([e for e in trusted.values() if isinstance(e, dict)])
         results = [self._serve(w.key, trusted[w.key], fetched, device_total_bytes) for w in wants]
-        refused = {w.key: r.reason for w, r in zip(wants, results) if w.mandatory and isinstance(r, Eager)}
+        refused = {w.key: r.reason for w, r in zip(wants, results, strict=True) if w.mandatory and isinstance(r, Eager)}
         if refused:
             raise CompiledRequired(refused)
         return results
@@ -426,7 +426,7 @@ class Client:
                 return err
 
         with ThreadPoolExecutor(PARALLEL_TRANSFERS) as pool:
-            return dict(zip(tasks, pool.map(run, tasks)))
+            return dict(zip(tasks, pool.map(run, tasks), strict=True))
 
     def _serve(self, key: str, entry, fetched: dict[str, Any], device_total_bytes: int | None) -> Loaded | Eager:
         if isinstance(entry, str):

@@ -219,7 +219,7 @@ class S3Storage(Storage):
         unique = list(dict.fromkeys(digests))
         with s3_errors("presign"):
             urls = self._presigner.urls([self.blob_key(d) for d in unique], ttl_s)
-        return dict(zip(unique, urls))
+        return dict(zip(unique, urls, strict=True))
 
     def delete_key(self, key: str) -> None:
         with s3_errors("delete"):

@@ -45,6 +45,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
+from itertools import pairwise
 
 from botocore.exceptions import ClientError
 
@@ -250,7 +251,7 @@ def copy_plan(chunks: list[tuple[str, int]]) -> list[tuple[str, int, int]] | Non
             return None
         count = max(1, math.ceil(length / MAX_PART_BYTES))
         bounds = [length * i // count for i in range(count + 1)]
-        pieces += [(key, start, end) for start, end in zip(bounds, bounds[1:])]
+        pieces += [(key, start, end) for start, end in pairwise(bounds)]
     return pieces if len(pieces) <= MAX_PARTS else None
 
 
