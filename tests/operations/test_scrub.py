@@ -35,7 +35,6 @@ from tests.compiled_graphs.support import (
     upload,
 )
 from tests.support.live_store import CONFIGURATIONS, unique_repo
-from tests.support.services import S3_ENV
 from tests.support.tamper import delete_object, flip_byte, put_raw
 
 MiB = 1 << 20
@@ -88,8 +87,7 @@ def _cli_env(store) -> dict[str, str]:
         "CGSTORE_HOME": str(store.settings.home),
         "CGSTORE_DATABASE_URL": store.settings.resolved_database_url,
         "CGSTORE_STORAGE_URL": store.settings.resolved_storage_url,
-        **S3_ENV,
-    }
+    }  # the S3 keys: this process's AWS_* variables, as for the store in it
 
 
 def run_cli(store, *args: str):

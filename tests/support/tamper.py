@@ -9,17 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from cgstore.storage.hashing import blob_key, parse_digest
-from tests.support.services import S3_ENV
 
 
 def _s3_client(store):
-    """A boto3 client of its own (not the store's) on the store's endpoint."""
+    """A boto3 client of its own (not the store's) on the store's endpoint, with the
+    keys the store signs with (this process's ``AWS_*`` variables)."""
     import boto3
+    from botocore.config import Config
 
     storage = store.context.storage
-    return boto3.client("s3", endpoint_url=storage.client.meta.endpoint_url, region_name=S3_ENV["AWS_DEFAULT_REGION"],
-                        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
-                        aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"])
+    return boto3.client("s3", endpoint_url=storage.client.meta.endpoint_url,
+                        region_name=storage.client.meta.region_name,
+                        config=Config(request_checksum_calculation="when_required",
+                                      response_checksum_validation="when_required"))
 
 
 def flip_byte(store, digest: str, data: bytes, at: int = -1) -> None:
