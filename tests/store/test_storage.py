@@ -736,10 +736,8 @@ def test_sweep_orphans_reclaims_writes_of_dead_processes(storage_case, big_data)
     dead = open_storage(storage_case.settings)
     orphan = start_multipart_write(dead, big_data)  # its process "dies" mid-write
     assert storage_case.keys("tmp") or storage_case.pending_multipart()
-    if storage_case.kind == "fs":
-        # A young write is not an orphan. (moto reports every multipart upload as
-        # initiated in 2010, so on S3 only the reclaiming itself can be checked.)
-        assert storage_case.storage.sweep_orphans(3600) == 0
+    # A young write is not an orphan (S3 dates a multipart upload by its creation).
+    assert storage_case.storage.sweep_orphans(3600) == 0
     time.sleep(0.01)
     assert storage_case.storage.sweep_orphans(0) == 1
     orphan.abort()  # still safe
@@ -747,7 +745,7 @@ def test_sweep_orphans_reclaims_writes_of_dead_processes(storage_case, big_data)
 
 
 def test_s3_sweep_spares_the_writes_in_flight_of_its_own_process(s3_server, tmp_path, big_data):
-    """moto says every upload was initiated in 2010: only knowing our own writers keeps them alive."""
+    """A sweep of everything (threshold 0) takes every upload for old: only knowing our own writers keeps them alive."""
     case = build_storage_case("s3", tmp_path, s3_server)
     live = start_multipart_write(case.storage, big_data)
     dead_data = os.urandom(2 * PART)
@@ -851,7 +849,7 @@ def test_s3_complete_of_a_vanished_upload_is_unavailable_and_leaves_nothing(s3_s
 
 
 class SlowCompleteProxy:
-    """A TCP relay to moto_server that holds back every answer to CompleteMultipartUpload
+    """A TCP relay to the S3 that holds back every answer to CompleteMultipartUpload
     (``POST <key>?uploadId=…``) by ``delay_s`` and counts those requests: S3 assembling a
     big object slowly, as seen from the client."""
 

@@ -106,7 +106,7 @@ class S3Server:
     access_key: str
     secret_key: str
     region: str = "us-east-1"
-    implementation: str = "moto"
+    implementation: str = "rgw"
 
     @property
     def endpoint(self) -> str:
@@ -114,7 +114,7 @@ class S3Server:
 
     @property
     def process(self) -> subprocess.Popen:
-        """The process answering HTTP (``moto_server``, ``radosgw``)."""
+        """The process answering HTTP (``radosgw``)."""
         return self.processes[-1]
 
     @property
@@ -156,31 +156,6 @@ class S3Server:
 def use_s3_credentials(server: S3Server) -> None:
     """boto3 in this process (stores under test, and the processes it starts) signs with ``server``'s keys."""
     os.environ.update(server.credentials)
-
-
-MOTO_KEYS = ("test", "test")  # moto accepts any key
-
-
-@contextlib.contextmanager
-def moto_s3_server(port: int | None = None) -> Iterator[S3Server]:
-    """Run ``moto_server`` on a free loopback port for the duration of the block.
-
-    Only for what a real S3 cannot give a test (say so where it is used): moto
-    accepts any key and any tampered presigned URL, and reads a whole object for
-    every ranged GET, so nothing measured or refused through it says anything about S3.
-    """
-    port = port or free_port()
-    exe = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or "moto_server"
-    proc = subprocess.Popen(
-        [exe, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for_port(port, proc=proc)
-        yield S3Server(f"http://127.0.0.1:{port}", [proc], *MOTO_KEYS)
-    finally:
-        stop_process(proc)
 
 
 # -- S3 (Ceph's RADOS Gateway) ------------------------------------------------------

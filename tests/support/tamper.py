@@ -47,3 +47,16 @@ def delete_object(store, digest: str) -> None:
         _s3_client(store).delete_object(Bucket=storage.bucket, Key=storage.blob_key(digest))
     else:
         Path(storage.root, blob_key(parse_digest(digest))).unlink()
+
+
+def rewrite_s3_object_multipart(store, digest: str, data: bytes) -> str:
+    """Overwrite the S3 object of ``digest`` with ``data`` through a multipart upload of another
+    S3 client (S3's own write path, not the store's); returns the new object's ETag."""
+    storage = store.context.storage
+    s3, key = _s3_client(store), storage.blob_key(digest)
+    upload = s3.create_multipart_upload(Bucket=storage.bucket, Key=key)["UploadId"]
+    part = s3.upload_part(Bucket=storage.bucket, Key=key, UploadId=upload, PartNumber=1, Body=data)
+    s3.complete_multipart_upload(Bucket=storage.bucket, Key=key, UploadId=upload,
+                                 MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+    # RGW 16 answers CompleteMultipartUpload with an empty ETag; HEAD has the "-1" one.
+    return s3.head_object(Bucket=storage.bucket, Key=key)["ETag"]
