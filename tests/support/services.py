@@ -318,12 +318,27 @@ def rgw_s3_server(block_bytes: int = RGW_BLOCK_BYTES) -> Iterator[S3Server]:
         access_key, secret_key = uuid.uuid4().hex[:20].upper(), uuid.uuid4().hex + uuid.uuid4().hex[:8]
         _run_ceph(["radosgw-admin", "-n", "client.rgw.a", "user", "create", "--uid", "cgstore",
                    "--display-name", "cgstore tests", "--access-key", access_key, "--secret-key", secret_key], conf)
-        yield S3Server(endpoint_url, procs, access_key, secret_key, implementation="rgw")
+        server = S3Server(endpoint_url, procs, access_key, secret_key, implementation="rgw")
+        _warm_up(server)
+        yield server
     finally:
         for proc in reversed(procs):
             stop_process(proc, timeout_s=20)
         if not os.environ.get("CGSTORE_TEST_KEEP_CEPH"):  # its logs, to debug a bring-up
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _warm_up(server: S3Server) -> None:
+    """Write once, plainly and by multipart: RGW creates its data pools on the first such
+    writes (seconds, long enough to time out a connection), here rather than in a test or a timed run."""
+    client, bucket = server.client(), server.create_bucket("cgstore-warm-up")
+    client.put_object(Bucket=bucket, Key="plain", Body=b"warm")
+    upload = client.create_multipart_upload(Bucket=bucket, Key="multipart")["UploadId"]
+    part = client.upload_part(Bucket=bucket, Key="multipart", UploadId=upload, PartNumber=1, Body=b"warm")
+    client.complete_multipart_upload(Bucket=bucket, Key="multipart", UploadId=upload,
+                                     MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+    client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": "plain"}, {"Key": "multipart"}]})
+    client.delete_bucket(Bucket=bucket)
 
 
 def ceph_version() -> str:
