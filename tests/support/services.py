@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -289,18 +290,18 @@ def rgw_s3_server(block_bytes: int = RGW_BLOCK_BYTES) -> Iterator[S3Server]:
         (root / sub).mkdir()
     mon_v2, mon_v1, rgw_port = free_port(), free_port(), free_port()
     conf = root / "ceph.conf"
-    conf.write_text(_ceph_conf(root, str(uuid.uuid4()), mon_v2, mon_v1, rgw_port, block_bytes))
+    fsid = str(uuid.uuid4())
+    conf.write_text(_ceph_conf(root, fsid, mon_v2, mon_v1, rgw_port, block_bytes))
     logs = root / "log"
     procs: list[subprocess.Popen] = []
 
     def daemon(*args: str) -> subprocess.Popen:
-        proc = subprocess.Popen([*args, "-f", "-c", str(conf)], stdout=subprocess.DEVNULL,
-                                stderr=open(logs / f"{Path(args[0]).name}.stderr", "wb"))
+        with open(logs / f"{Path(args[0]).name}.stderr", "wb") as stderr:  # the child keeps its own copy
+            proc = subprocess.Popen([*args, "-f", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=stderr)
         procs.append(proc)
         return proc
 
     try:
-        fsid = conf.read_text().split("fsid = ", 1)[1].split("\n", 1)[0]
         _run_ceph(["monmaptool", "--create", "--fsid", fsid, "--addv", "a",
                    f"[v2:127.0.0.1:{mon_v2},v1:127.0.0.1:{mon_v1}]", str(root / "monmap")], conf)
         _run_ceph(["ceph-authtool", "--create-keyring", str(root / "keyring"), "--gen-key", "-n", "mon.",
@@ -315,7 +316,7 @@ def rgw_s3_server(block_bytes: int = RGW_BLOCK_BYTES) -> Iterator[S3Server]:
         daemon("radosgw", "-n", "client.rgw.a")
         endpoint_url = f"http://127.0.0.1:{rgw_port}"
         _wait_for(lambda: _s3_answers(endpoint_url), "radosgw answering", RGW_READY_TIMEOUT_S, procs, logs)
-        access_key, secret_key = uuid.uuid4().hex[:20].upper(), uuid.uuid4().hex + uuid.uuid4().hex[:8]
+        access_key, secret_key = secrets.token_hex(10).upper(), secrets.token_urlsafe(30)
         _run_ceph(["radosgw-admin", "-n", "client.rgw.a", "user", "create", "--uid", "cgstore",
                    "--display-name", "cgstore tests", "--access-key", access_key, "--secret-key", secret_key], conf)
         server = S3Server(endpoint_url, procs, access_key, secret_key, implementation="rgw")
