@@ -33,7 +33,7 @@ from cgstore.storage import hashing
 from cgstore.storage.base import ObjectInfo, ObjectMissing, Storage
 from cgstore.storage.hashing import check_session_id
 from cgstore.storage.presign import BatchPresigner
-from cgstore.storage.s3.errors import error_code, is_missing, s3_errors, stream_body
+from cgstore.storage.s3.errors import error_code, is_missing, ping_failure, s3_errors, stream_body
 from cgstore.storage.s3.multipart import (
     BUFFER_WAIT_S,
     MAX_PARTS,
@@ -257,7 +257,7 @@ class S3Storage(StagedUploads, MultipartCalls, Storage):
                 self.client.head_bucket(Bucket=self.bucket)
             except ClientError as exc:  # a missing bucket is an outage to the service, too
                 code, status = error_code(exc)
-                raise Unavailable("bucket not reachable", bucket=self.bucket, code=code, status=status) from exc
+                raise Unavailable(ping_failure(code, status), bucket=self.bucket, code=code, status=status) from exc
 
     def sweep_orphans(self, older_than_s: float) -> int:
         """Abort blob multipart uploads (processes killed mid-write) older than ``older_than_s``.
