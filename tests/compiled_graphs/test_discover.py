@@ -401,7 +401,8 @@ def test_a_search_reads_only_the_callers_best_rows(store, published):
 
     keys = [*visible.values(), pub.key, "ck1-" + "0" * 56]
     with store.client(token) as client:
-        answers = [(discover(client, declaration(pub, limit=limit)).content, limit) for limit in (MAX_DISCOVER_LIMIT, 3)]
+        answers = [(discover(client, declaration(pub, limit=limit)).content, limit)
+                   for limit in (MAX_DISCOVER_LIMIT, 3)]
         resolved = client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": keys}).content
         hidden = [key for key in hide_some() + hide_some() if key not in keys]  # new keys: misses for the reader
         with captured(store, "compiled_graphs.discovery_digest") as statements:

@@ -13,17 +13,19 @@ publish never learns of another's record. Nothing is written before admission
 passed, and the record only names blobs whose rows exist (foreign keys), so a
 record never points at bytes the database does not hold.
 
-Resolve answers up to ``MAX_RESOLVE_KEYS`` keys in two SQL statements
-whatever the count (one for the candidate records with their repos, one for
-their components), filters what the token may read and ranks the repos it
-searches (``access.resolve_rank``) in Python, and answers a
-miss identically for an absent, yanked, unhealthy or unreadable key.
+Resolve answers up to ``MAX_RESOLVE_KEYS`` keys in three SQL statements
+whatever the count: the search plan (the repos the token searches, ranked, and
+whose records each shows: ``access.searched_repos``), the best record per key
+among the live records of those repos only, and the chosen ones' components.
+Records the caller cannot read are never touched, so neither the answer nor
+its duration says anything about them; a miss is identical for an absent,
+yanked, unhealthy or unreadable key.
 
 Discover (issue 16) is resolve by declaration instead of by key: the records
 whose ``discovery_digest`` (stored at publish) is the declaration's, through
-the same two statements, visibility and ranking. A drift report counts a
-worker's disagreement on a readable record and audits it, rate-limited per
-token over the audit log.
+the same plan, visibility and ranking, the first ``limit`` chosen in SQL. A
+drift report counts a worker's disagreement on a readable record and audits
+it, rate-limited per principal and per record over the audit log.
 """
 
 from __future__ import annotations
@@ -89,7 +91,6 @@ from cgstore.core.errors import (
 from cgstore.core.faults import crash_point
 from cgstore.core.names import validate_owner, validate_repo
 from cgstore.core.private import private_dir
-from cgstore.owners.models import Owner
 from cgstore.repos.models import Repo
 from cgstore.repos.service import find_repo, readable_repo, write_decision, yank_decision
 from cgstore.tokens.claims import Claims
@@ -787,7 +788,8 @@ def _within_report_limits(session: Session, claims: Claims, target: str, publish
     by_principal = AuditEvent.actor == clean(claims.sub, ACTOR_LEN)
     on_record = (AuditEvent.target == clean(target, TARGET_LEN),
                  AuditEvent.detail["publisher"].as_string() == clean(publisher, DETAIL_STRING_LEN))
-    for where, limit, per in ((by_principal,), REPORTS_PER_WINDOW, "principal"), (on_record, REPORTS_PER_RECORD, "record"):
+    limits = (((by_principal,), REPORTS_PER_WINDOW, "principal"), (on_record, REPORTS_PER_RECORD, "record"))
+    for where, limit, per in limits:
         made, oldest = session.execute(select(func.count(), func.min(AuditEvent.at)).where(*reports, *where)).one()
         if made > limit:
             wait = REPORT_WINDOW_S - (utcnow() - oldest).total_seconds()
