@@ -615,9 +615,13 @@ def _best_per_key(session: Session, searched: list[access.SearchedRepo], match: 
 
 
 def _per_repo(searched: list[access.SearchedRepo], field: str):
-    """SQL: a searched repo's ``field`` by the record's repo id (integers the plan computed, rendered inline)."""
-    return case({repo.id: literal_column(str(int(getattr(repo, field)))) for repo in searched},
-                value=CompiledGraph.repo_id)
+    """SQL: a searched repo's ``field`` by the record's repo id.
+
+    Integers the plan computed, rendered inline: typed as integers on both
+    databases, and no bound parameters beyond the repo ids' own.
+    """
+    return case({literal_column(str(int(repo.id))): literal_column(str(int(getattr(repo, field))))
+                 for repo in searched}, value=CompiledGraph.repo_id)
 
 
 def _component_rows(session: Session, record_ids: list[int]) -> dict[int, list[tuple[str, str, int]]]:
