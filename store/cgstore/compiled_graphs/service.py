@@ -585,22 +585,26 @@ def _search_plan(session: Session, claims: Claims) -> list[access.SearchedRepo]:
     return access.searched_repos(claims, session.connection().execute(access.search_candidates(claims)))
 
 
-def _best_per_key(session: Session, searched: list[access.SearchedRepo], match: tuple, columns: tuple):
-    """The statement of the best live, healthy record per key among ``match``es in the ``searched`` repos.
+def _best_per_key(
+    session: Session, searched: list[access.SearchedRepo], match: tuple, columns: tuple, *, limit: int | None = None
+):
+    """The statement of ``columns`` of the best live, healthy record per key among ``match``es in ``searched``.
 
     Only rows the caller may read are ever touched: each searched repo's are
     found through the index led by ``match``'s columns then ``(repo_id,
     publisher)`` (``models.py``), in a private cache only the reader's own. The
     best of a key is the record of the first searched repo, then the lowest id
-    (``access`` "Resolving"); the rows carry ``search_rank`` and ``search_position`` after ``columns``.
+    (``access`` "Resolving"). With ``limit``: the first ``limit`` of them by
+    their repo's rank, then newest first (discover's order). The choosing
+    reads ids only; the records' columns are read for the chosen ones.
     """
-    rank = _per_repo(searched, "rank")
-    position = _per_repo(searched, "position")
+    rank = _per_repo(searched, "rank").label("search_rank")
+    position = _per_repo(searched, "position").label("search_position")
     branches = []
     for reader in sorted({repo.reader for repo in searched}, key=lambda reader: reader or ""):
         ids = [repo.id for repo in searched if repo.reader == reader]
         branch = (
-            select(*columns, rank.label("search_rank"), position.label("search_position"))
+            select(CompiledGraph.id, CompiledGraph.key, rank, position)
             # The artifact's blob row must exist: a record never resolves to bytes the database lacks.
             # (No join to repos: the plan knows each searched repo's owner and name.)
             .join(Blob, Blob.digest == CompiledGraph.artifact_digest)
@@ -608,10 +612,18 @@ def _best_per_key(session: Session, searched: list[access.SearchedRepo], match: 
                    CompiledGraph.yanked_at.is_(None), CompiledGraph.health == HEALTH_OK)
         )
         branches.append(branch if reader is None else branch.where(CompiledGraph.publisher == reader))
-    rows = (branches[0] if len(branches) == 1 else union_all(*branches)).subquery("candidates")
-    nth = func.row_number().over(partition_by=rows.c.key, order_by=(rows.c.search_position, rows.c.id))
-    ranked = select(rows, nth.label("nth")).subquery("ranked")
-    return select(ranked).where(ranked.c.nth == 1)
+    if len(branches) == 1:
+        nth = func.row_number().over(partition_by=CompiledGraph.key, order_by=(position, CompiledGraph.id))
+        ranked = branches[0].add_columns(nth.label("nth")).subquery("ranked")
+    else:  # shared repos and private caches: one window over both
+        rows = union_all(*branches).subquery("candidates")
+        nth = func.row_number().over(partition_by=rows.c.key, order_by=(rows.c.search_position, rows.c.id))
+        ranked = select(rows.c.id, rows.c.search_rank, nth.label("nth")).subquery("ranked")
+    chosen = (select(*columns, ranked.c.search_rank).join(ranked, ranked.c.id == CompiledGraph.id)
+              .where(ranked.c.nth == 1))
+    if limit is None:
+        return chosen
+    return chosen.order_by(ranked.c.search_rank, CompiledGraph.id.desc()).limit(limit)
 
 
 def _per_repo(searched: list[access.SearchedRepo], field: str):
@@ -713,11 +725,10 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
         searched = _search_plan(session, claims)
         chosen = []
         if searched:
-            best = _best_per_key(session, searched, _discover_match(request, digest),
-                                 (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release))
-            best = best.subquery("best")
-            chosen = session.connection().execute(
-                select(best).order_by(best.c.search_rank, best.c.id.desc()).limit(request.limit)).all()
+            chosen = session.connection().execute(_best_per_key(
+                session, searched, _discover_match(request, digest),
+                (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release), limit=request.limit,
+            )).all()
         components = _component_rows(session, [row.id for row in chosen])
     repos = {repo.id: repo for repo in searched}
     urls = urls_for(_blob_refs(chosen, repos, components))
