@@ -23,11 +23,13 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+from cgstore.repos.models import Repo
+
 from tests.compiled_graphs.support import (
     CONSTANTS_A,
     FAMILY,
-    clone_record,
-    make_repo,
+    clone_records,
+    make_repos,
     publication,
     publish,
     safetensors_bytes,
@@ -161,17 +163,13 @@ def hide_more(store, cache, count: int) -> None:
     """``count`` more records of alice's declaration and key that bob cannot see: other tenants' in his
     private cache, and copies in repos of a tenant he holds nothing of (what anyone can make by mounting)."""
     with store.context.db.session() as session:
-        from cgstore.repos.models import Repo
-
         cache_id = session.scalar(select(Repo.id).where(Repo.owner == "acme", Repo.name == cache["name"]))
     key = cache["pub"].key
-    for tenant in range(count // 2):
-        clone_record(store, key, repo_id=cache_id, publisher=f"tenant-{tenant}", key=key)
+    copies = [(cache_id, f"tenant-{tenant}", key) for tenant in range(count // 2)]
     owner = f"evil-{uuid.uuid4().hex[:8]}"
     store.mint("mallory", f"{owner}/*:read,write")  # registers mallory, who holds the owner
-    for copy in range(count - count // 2):
-        repo_id = make_repo(store, owner, f"copy-{copy}", holder="mallory" if copy == 0 else None)
-        clone_record(store, key, repo_id=repo_id, publisher="mallory", key=key)
+    repo_ids = make_repos(store, owner, [f"copy-{n}" for n in range(count - count // 2)], holder="mallory")
+    clone_records(store, key, copies + [(repo_id, "mallory", key) for repo_id in repo_ids])
 
 
 def searches(cache) -> dict[str, tuple[dict, dict, dict]]:
