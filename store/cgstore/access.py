@@ -3,7 +3,9 @@
 Every function here is pure: it takes verified ``Claims`` and the facts a
 service looked up (is the principal a registered platform principal? who holds
 the owner?) and answers a ``Decision``. Services ask, then ``enforce()``; the
-rules live only here. The rules:
+rules live only here. Where a query must narrow to what may be read before
+reading (resolve, discover), the narrowing is built here too, as a statement
+the service runs (``search_candidates``), never written in the service. The rules:
 
 Reading
   - ``root/*`` is readable by every valid token.
