@@ -9,7 +9,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: serve test fuzz soak conformance bench bench-deps chromium docs install install-dev clean
+.PHONY: serve test fuzz soak conformance bench bench-deps chromium docs install install-dev install-worker clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,13 +20,27 @@ $(VENV)/.installed: $(PY) pyproject.toml client/pyproject.toml
 	$(PIP) install --quiet -e ./client -e .
 	touch $@
 
-# torch==2.13.0 is pinned by the dev extra: the CPU build on this machine's disk.
+# A worker install pins torch (TORCH_VERSION, the dev extra's pin) from PyTorch's CPU index (TORCH_INDEX):
+# PyPI's default build is the CUDA one, ~20 nvidia wheels (5.5 GB). Another torch is another
+# toolchain (cgstore_client.mint.environment_toolchain): records minted under one miss under the other.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
+
+# The dev install takes torch==2.13.0 (the dev extra's pin) from the machine's own package
+# configuration: CI and the test suite never reach PyTorch's index.
 $(VENV)/.installed-dev: $(PY) pyproject.toml client/pyproject.toml
 	$(PIP) install --quiet -e './client[torch]' -e '.[dev]'
 	touch $@ $(VENV)/.installed
 
+# The worker side of the README's walk-through: the client with its torch extra, on the same pinned CPU torch.
+$(VENV)/.installed-worker: $(PY) pyproject.toml client/pyproject.toml
+	$(PIP) install --quiet --index-url $(TORCH_INDEX) torch==$(TORCH_VERSION)
+	$(PIP) install --quiet -e './client[torch]' -e .
+	touch $@ $(VENV)/.installed
+
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+install-worker: $(VENV)/.installed-worker
 
 serve: install
 	$(VENV)/bin/cgstore serve

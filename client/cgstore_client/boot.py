@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgstore_client.errors import CgstoreError, DeadlineExceeded, IntegrityError, NotFound, Offline
 from cgstore_client.keys import OUT_OF_ENVELOPE_REASON, Admission, Envelope, validate_key
 
 #: What ``Loaded.admits`` answers (the envelope's own verdict type).
@@ -26,6 +27,21 @@ RECEIPT_INVALID = "receipt invalid"
 NOT_ROOT = "not a root record"
 INTEGRITY = "artifact failed verification"
 UNAVAILABLE = "store unavailable"
+#: Past the client's call deadline or below its download throughput (``cgstore_client.limits``).
+TOO_SLOW = "store too slow"
+
+
+def reason_for(error: CgstoreError) -> str:
+    """The reason a want is served eager because fetching it raised ``error``."""
+    if isinstance(error, Offline):
+        return f"{OFFLINE_NOT_CACHED}: {error}"
+    if isinstance(error, IntegrityError):
+        return f"{INTEGRITY}: {error}"
+    if isinstance(error, NotFound):
+        return f"{MISS}: {error}"  # yanked or gone between the resolve and the download
+    if isinstance(error, DeadlineExceeded):
+        return f"{TOO_SLOW}: {error}"
+    return f"{UNAVAILABLE}: {error}"
 
 
 @dataclass(frozen=True)
@@ -48,7 +64,7 @@ class Want:
 @dataclass(frozen=True)
 class Eager:
     """A want served eager, and why (``miss``, ``offline and not cached: ...``, ``receipt invalid: ...``,
-    ``not a root record: ...``)."""
+    ``not a root record: ...``, ``store unavailable: ...``, ``store too slow: ...``)."""
 
     key: str
     reason: str

@@ -4,12 +4,18 @@ Every command takes ``--json`` (one JSON document on stdout, nothing else);
 transfers show progress bars only when stderr is a terminal. Configuration is
 the client's: ``--url``/``--token``/``--cache-dir``/``--offline`` or the
 ``CGSTORE_*`` environment variables. Exit status: 0 done, 1 refused or failed
-(the error's protocol code is printed), 2 usage.
+(``error: <protocol code, or the error's kind>: <message>``), 2 usage.
+
+What the client does, the CLI does: ``publish`` reads the sm from the archive
+(``--sm`` only to insist), ``discover --explain`` says why a declaration
+misses, ``inspect ARCHIVE`` prints what the store will read off it (key, sm,
+input contract, binding table), without a store.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -24,7 +30,7 @@ from cgstore_client.errors import CgstoreError
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False,
-    help="The cgstore worker client: resolve, fetch, load, publish, preflight, verify, cache.",
+    help="The cgstore worker client: resolve, discover, fetch, load, inspect, publish, preflight, verify, cache.",
 )
 cache_app = typer.Typer(no_args_is_help=True, help="Inspect and prune the local cache.")
 app.add_typer(cache_app, name="cache")
@@ -66,8 +72,14 @@ def _refusals(as_json: bool):
         if as_json:
             typer.echo(json.dumps(document, sort_keys=True))
         else:
-            typer.echo(f"error: {type(err).__name__} {document['error']['code'] or ''}: {err}", err=True)
+            typer.echo(f"error: {error_label(err)}: {err}", err=True)
         raise typer.Exit(1) from None
+
+
+def error_label(err: CgstoreError) -> str:
+    """The protocol code when the store answered one (``KEY_CONFLICT``), else the error's kind (``unavailable``)."""
+    code = getattr(err, "code", None)
+    return code or re.sub(r"(?<!^)(?=[A-Z])", "_", type(err).__name__).lower()
 
 
 @contextmanager
@@ -132,24 +144,123 @@ def publish(
     repo: str, archive: Path,
     family: Annotated[str, typer.Option(help="Model family.")],
     envelope: Annotated[str, typer.Option(help="Envelope as JSON, e.g. '{\"shapes\": [[512, 512]], \"text_len\": 0}'.")],
-    sm: Annotated[str, typer.Option(help="The sm the archive was compiled for.")],
+    sm: Annotated[str | None, typer.Option(help="The sm the archive was compiled for; default: the archive's own.")] = None,
     toolchain: Annotated[str | None, typer.Option(help="Toolchain as JSON; default: this environment's.")] = None,
     lane: Annotated[str | None, typer.Option(help="Kernel lane.")] = None,
     component: Annotated[list[str] | None, typer.Option(help="name=path of a component (repeatable).")] = None,
+    release: Annotated[str | None, typer.Option(help="A release label discover can narrow to.")] = None,
+    code: Annotated[str | None, typer.Option(help="The model source's code fingerprint (cf1:…).")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Publish a minted archive (and its components) under its derived key."""
     with _refusals(as_json), _client() as client:
-        if toolchain is None:
-            from cgstore_client.mint import environment_toolchain
-
-            chain: Any = environment_toolchain()
-        else:
-            chain = json.loads(toolchain)
         components = dict(item.split("=", 1) for item in component) if component else None
-        published = client.publish(repo, archive, family=family, envelope=json.loads(envelope), toolchain=chain,
-                                   sm=sm, lane=lane, components=components)
+        published = client.publish(repo, archive, family=family, envelope=_json_option("envelope", envelope),
+                                   toolchain=_toolchain(toolchain), sm=sm or _archive_sm(archive), lane=lane,
+                                   components=components, release=release, code=code)
     _emit(as_json, {"key": published.key, "status": published.status}, [f"{published.key} {published.status}"])
+
+
+def _json_option(name: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise typer.BadParameter(f"--{name} is not JSON: {err}") from None
+
+
+def _toolchain(text: str | None) -> Any:
+    """``--toolchain`` as given, else this environment's (the one ``client.boot`` declares by default)."""
+    if text is not None:
+        return _json_option("toolchain", text)
+    from cgstore_client.mint import environment_toolchain
+
+    return environment_toolchain()
+
+
+def _archive_sm(archive: Path) -> str:
+    from cgstore_client.archive import inspect as read_archive
+
+    return read_archive(archive).sm
+
+
+@app.command()
+def discover(
+    family: str,
+    envelope: Annotated[str, typer.Option(help="Envelope as JSON, as published.")],
+    sm: Annotated[str | None, typer.Option(help="Default: this machine's (cpu, or cuda:0's).")] = None,
+    toolchain: Annotated[str | None, typer.Option(help="Toolchain as JSON; default: this environment's.")] = None,
+    release: Annotated[str | None, typer.Option(help="Only records of this release label.")] = None,
+    binding_signature: Annotated[str | None, typer.Option(help="Only records binding these tensors (bs1:…).")] = None,
+    code: Annotated[str | None, typer.Option(help="Only records minted from this code (cf1:…).")] = None,
+    explain: Annotated[bool, typer.Option(help="On a miss, say why: the family's records, the nearest's axes.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Find the live records of a declaration (what ``client.boot`` asks), best first. Exit 1 on a miss."""
+    from cgstore_client import discovery
+
+    with _refusals(as_json), _client() as client:
+        request = discovery.discover_request(
+            family, envelope=_json_option("envelope", envelope), sm=sm or _environment_sm(),
+            toolchain=_toolchain(toolchain), release=release, binding_signature=binding_signature, code=code,
+            explain=explain)
+        found = discovery.discover_answer(client, request)
+    answer = found.answer
+    lines = [f"{c.key} {c.repo} {c.release or '-'} {c.binding_signature or '-'}" for c in answer.candidates]
+    if not answer.candidates:
+        lines = [f"miss: {answer.miss.detail}" if answer.miss else "miss: no candidate for this declaration"]
+    if found.from_cache:
+        lines.append(f"(from the local cache: {found.from_cache})")
+    _emit(as_json, {**answer.model_dump(mode="json"), "from_cache": found.from_cache}, lines)
+    if not answer.candidates:
+        raise typer.Exit(1)
+
+
+def _environment_sm() -> str:
+    from cgstore_client.mint import environment_sm
+
+    return environment_sm()
+
+
+@app.command("inspect")
+def inspect_archive(
+    archive: Path,
+    envelope: Annotated[str | None, typer.Option(help="Envelope as JSON: derive the key it would publish under.")] = None,
+    toolchain: Annotated[str | None, typer.Option(help="Toolchain as JSON (with --envelope); default: this "
+                                                       "environment's.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Read an archive as the store will (statically): key, sm, input contract, binding table."""
+    from cgstore_client.archive import inspect as read_archive
+    from cgstore_client.binding import signature_from_table
+    from cgstore_client.keys import Envelope, Toolchain, ck1
+
+    with _refusals(as_json):
+        report = read_archive(archive)
+        key = None
+        if envelope is not None:
+            chain = _toolchain(toolchain)
+            chain = chain if isinstance(chain, Toolchain) else Toolchain(chain)
+            key = ck1(report.graph_digest, Envelope.from_dict(_json_option("envelope", envelope)), report.sm, chain)
+    signature = signature_from_table(report.binding_table, report.metadata.ties)
+    document = {"key": key, "kind": report.kind, "sm": report.sm, "graph_digest": report.graph_digest,
+                "binding_signature": signature, "input_contract": report.input_contract,
+                "binding_table": report.binding_table}
+    _emit(as_json, document, _inspect_lines(document))
+
+
+def _inspect_lines(document: dict[str, Any]) -> list[str]:
+    contract = document["input_contract"]
+    lines = [f"key        {document['key'] or '- (give --envelope to derive it)'}",
+             f"kind       {document['kind']}", f"sm         {document['sm']}",
+             f"graph      {document['graph_digest']}", f"binding    {document['binding_signature']}", "inputs"]
+    lines += [f"  {spec['name']}  {spec.get('dtype')}  {spec.get('shape')}  {spec.get('path', '')}"
+              for spec in contract.get("inputs") or []]
+    lines += [f"  {name} in [{bounds.get('min')}, {bounds.get('max')}]"
+              for name, bounds in (contract.get("dims") or {}).items()]
+    lines.append("binding table (fqn, dtype, shape, kind)")
+    lines += [f"  {row['fqn']}  {row.get('dtype')}  {row.get('shape')}  {row.get('kind')}"
+              for row in document["binding_table"]]
+    return lines
 
 
 @app.command()

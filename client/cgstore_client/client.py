@@ -2,9 +2,15 @@
 
 Configuration comes from the arguments or the environment: ``CGSTORE_URL``,
 ``CGSTORE_TOKEN`` (or ``CGSTORE_TOKEN_FILE``), ``CGSTORE_CACHE_DIR`` (default
-``~/.cache/cgstore``), ``CGSTORE_OFFLINE``, and ``CGSTORE_DOWNLOAD_CONNECTIONS`` /
-``CGSTORE_DOWNLOAD_PART_BYTES`` (parallel ranged downloads, ``download.py``). In offline mode no socket is ever
+``~/.cache/cgstore``), ``CGSTORE_OFFLINE``, ``CGSTORE_DOWNLOAD_CONNECTIONS`` /
+``CGSTORE_DOWNLOAD_PART_BYTES`` (parallel ranged downloads, ``download.py``), the bounds of
+``limits.py`` (deadlines, throughput, sizes) and ``CGSTORE_TRUSTED_JWKS`` (the keys receipts
+must be signed with, ``receipts.TrustPin``). In offline mode no socket is ever
 opened: the transport is created on first network use, and offline it never is.
+
+Where a request goes is the client's choice, never an answer's: a record is read at
+:func:`record_path` (built from its repo and key, whatever ``href`` the answer carries)
+and the transport sends nothing off the store's origin.
 
 Blob primitives live here: :meth:`Client.fetch_blob` (verified download into the
 cache, through which every other download goes; the transfer itself is ``download.py``) and :meth:`Client.push_blobs`
@@ -32,20 +38,24 @@ from cgstore_client.cache import Cache, hash_file
 from cgstore_client.errors import (
     CgstoreError,
     CompiledRequired,
+    ConfigError,
     IntegrityError,
+    KeyInvalid,
     NotFound,
     Offline,
     Refused,
     Unavailable,
 )
 from cgstore_client.download import DEFAULT_CONNECTIONS, DEFAULT_PART_BYTES, Plan, Progress, Slots, download
-from cgstore_client.http import Retry, Transport, file_chunks
-from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest
+from cgstore_client.http import Retry, Transport, file_chunks, store_path
+from cgstore_client.keys import Envelope, Toolchain, ck1, validate_digest, validate_key
 from cgstore_client.lanes import DEFAULT_LANE, resolve_lane
+from cgstore_client.limits import Limits
 from cgstore_client.receipts import (
     ReceiptInvalid,
     ReceiptKeyUnknown,
     ReceiptVerifier,
+    TrustPin,
     proves_root,
     verify_jws_receipt,
 )
@@ -69,15 +79,21 @@ DERIVED_COMPONENT = "derived-constants"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
 
-class ConfigError(CgstoreError, ValueError):
-    """The client's configuration is unusable (e.g. an unreadable token file)."""
-
-
 def split_repo(repo: str) -> tuple[str, str]:
     owner, sep, name = repo.partition("/")
     if not sep or not owner or not name or "/" in name:
         raise ConfigError(f"a repo is 'owner/name', not {repo!r}")
     return owner, name
+
+
+def record_path(repo: object, key: object) -> str:
+    """The store's path of ``repo``'s record ``key``, built here from the two names (never an answer's ``href``)."""
+    try:
+        owner, name = split_repo(repo if isinstance(repo, str) else "")
+        validate_key(key)
+    except (ConfigError, KeyInvalid) as err:  # names from an answer: the store's fault, not the configuration's
+        raise Refused(f"the store's answer names no record the client can read: {err}") from None
+    return store_path("v1", "repos", owner, name, "compiled-graphs", key)
 
 
 def _token_from_env() -> str | None:
@@ -119,7 +135,12 @@ class Client:
         chunked_threshold: int | None = None,
         download_connections: int | None = None,
         download_part_bytes: int | None = None,
+        limits: Limits | None = None,
+        trusted_jwks: object = None,
     ) -> None:
+        """``limits``: deadlines, throughput and size bounds (default: ``Limits.from_env()``).
+        ``trusted_jwks``: pin the keys receipts may be signed with (``receipts.TrustPin.parse``: a JWKS,
+        a JWKS file's path, or RFC 7638 thumbprints; default ``CGSTORE_TRUSTED_JWKS``, else the store's JWKS)."""
         self.url = (url or os.environ.get("CGSTORE_URL") or DEFAULT_URL).rstrip("/")
         self.token = token if token is not None else _token_from_env()
         self.offline = offline if offline is not None else os.environ.get("CGSTORE_OFFLINE", "").lower() in _TRUE
@@ -127,10 +148,13 @@ class Client:
         self.cache.ensure()
         self.retry = retry or Retry()
         self.receipt_verifier = receipt_verifier
+        self.limits = limits if limits is not None else Limits.from_env()
+        self.trust = TrustPin.parse(trusted_jwks if trusted_jwks is not None
+                                    else os.environ.get("CGSTORE_TRUSTED_JWKS", "").strip() or None)
         self.chunked_threshold = CHUNKED_THRESHOLD if chunked_threshold is None else chunked_threshold
         connections = _positive("CGSTORE_DOWNLOAD_CONNECTIONS", download_connections, DEFAULT_CONNECTIONS)
         part_bytes = _positive("CGSTORE_DOWNLOAD_PART_BYTES", download_part_bytes, DEFAULT_PART_BYTES)
-        self.downloads = Plan(Slots(connections), part_bytes, self.retry, self.cache)
+        self.downloads = Plan(Slots(connections), part_bytes, self.retry, self.cache, self.limits)
         self._transport: Transport | None = None
         self._jwks: dict | None = None
 
@@ -150,7 +174,7 @@ class Client:
         if self.offline:
             raise Offline("offline mode: the store is not contacted")
         if self._transport is None:
-            self._transport = Transport(self.url, self.token, retry=self.retry)
+            self._transport = Transport(self.url, self.token, retry=self.retry, limits=self.limits)
         return self._transport
 
     # --- download ----------------------------------------------------------------------
@@ -170,7 +194,7 @@ class Client:
             self.cache.sweep_temps()
             if size is not None:
                 self.cache.require_space(size)
-            url = f"{self.url}/v1/repos/{owner}/{name}/blobs/{digest}"
+            url = self.url + store_path("v1", "repos", owner, name, "blobs", digest)
             return self._download(url, digest, size, progress)
 
     def _download(self, url: str, digest: str, size: int | None, progress: Progress | None) -> Path:
@@ -323,7 +347,7 @@ class Client:
         try:
             answers = self.resolve(family, keys)
         except Unavailable as err:
-            return {k: self.cache.read_record(k) or f"{boot.UNAVAILABLE}: {err}" for k in keys}
+            return {k: self.cache.read_record(k) or boot.reason_for(err) for k in keys}
         return {a["key"]: self._with_cached_record(a) if a.get("status") == "hit" else boot.MISS for a in answers}
 
     def _with_cached_record(self, entry: dict[str, Any]) -> dict[str, Any]:
@@ -348,14 +372,28 @@ class Client:
                 # A key rotated in after this client fetched the JWKS: fetch it again, once.
                 claims = self.receipt_verifier(entry, receipt, self.keys(refresh=True))
         except ReceiptInvalid as err:
-            return f"{boot.RECEIPT_INVALID}: {err}"
+            return f"{boot.RECEIPT_INVALID}: {self._untrusted_signer(receipt) or err}"
         if root_only and not proves_root(claims):
             return f"{boot.NOT_ROOT}: the receipt of {entry.get('repo')}'s record does not prove a platform record"
         return entry
 
+    def _untrusted_signer(self, receipt: object) -> str | None:
+        """Say so when the receipt's key is the store's but the trust pin does not list it."""
+        if self.trust is None or not isinstance(receipt, str):
+            return None
+        import jwt
+
+        try:
+            kid = jwt.get_unverified_header(receipt).get("kid")
+        except jwt.PyJWTError:
+            return None
+        if any(jwk.get("kid") == kid for jwk in (self._jwks or {}).get("keys") or []):
+            return f"receipt signed by the store's key {kid!r}, which {self.trust} does not trust"
+        return None
+
     def keys(self, *, refresh: bool = False) -> dict[str, Any]:
-        """The store's public keys (JWKS), fetched once (again with ``refresh``) and kept in the
-        cache for offline verification."""
+        """The keys receipts verify against: the store's JWKS, fetched once (again with ``refresh``) and
+        kept in the cache for offline verification, narrowed to :attr:`trust`'s keys when a pin is set."""
         if self._jwks is None or (refresh and not self.offline):
             cached = self.cache.root / "keys.json"
             if self.offline:
@@ -370,7 +408,7 @@ class Client:
                         raise
                 else:
                     self.cache.write_json(cached, self._jwks)
-        return self._jwks
+        return self.trust.narrow(self._jwks) if self.trust is not None else self._jwks
 
     def _fetch_all(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
         """Every blob (digest -> path) and every full record not cached yet (key -> record), in parallel.
@@ -383,7 +421,9 @@ class Client:
             for blob in [entry["artifact"], *entry["components"]]:
                 tasks[blob["digest"]] = lambda e=entry, b=blob: self.fetch_blob(e["repo"], b["digest"], b.get("size"))
             if "record" not in entry:
-                tasks[entry["key"]] = lambda e=entry: _record(self.transport.request("GET", e["facts"]["href"]).content)
+                # Read where the client says records are: an answer's href could name any host.
+                tasks[entry["key"]] = lambda e=entry: _record(
+                    self.transport.request("GET", record_path(e["repo"], e["key"])).content)
 
         def run(name: str) -> Any:
             try:
@@ -402,7 +442,7 @@ class Client:
         components = {c["name"]: fetched[c["digest"]] for c in entry["components"]}
         failed = [p for p in (record, artifact, *components.values()) if isinstance(p, CgstoreError)]
         if failed:
-            return Eager(key, _eager_reason(failed[0]))
+            return Eager(key, boot.reason_for(failed[0]))
         entry = {**entry, "record": record}
         self.cache.write_record(key, entry)
         lane = resolve_lane(inspect(artifact).metadata, device_total_bytes) if device_total_bytes is not None else None
@@ -518,16 +558,6 @@ def _manifest(report, family, envelope: Envelope, toolchain: Toolchain, sm, lane
         if value is not None:
             manifest[field_name] = dict(value)
     return manifest
-
-
-def _eager_reason(error: CgstoreError) -> str:
-    if isinstance(error, Offline):
-        return f"{boot.OFFLINE_NOT_CACHED}: {error}"
-    if isinstance(error, IntegrityError):
-        return f"{boot.INTEGRITY}: {error}"
-    if isinstance(error, NotFound):
-        return f"{boot.MISS}: {error}"  # yanked or gone between the resolve and the download
-    return f"{boot.UNAVAILABLE}: {error}"
 
 
 def _parsed(model, content: bytes):

@@ -32,13 +32,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import blake3
 
 from cgstore_client import boot as reasons
 from cgstore_client.boot import Eager, Loaded, admits_contract
-from cgstore_client.client import Client, _entry, _parsed, _record, split_repo
+from cgstore_client.client import Client, _entry, _parsed, _record, record_path
 from cgstore_client.errors import CgstoreError, CompiledRequired, NotFound, Offline, Unavailable
 from cgstore_client.keys import Envelope, Toolchain, canonical_json
 from cgstore_client.wire.discovery import (
@@ -47,6 +48,7 @@ from cgstore_client.wire.discovery import (
     DiscoverAnswer,
     DiscoverRequest,
     DriftReport,
+    MissExplanation,
 )
 from cgstore_client.wire.records import MAX_REASON_CHARS, ToolchainAxis
 
@@ -63,6 +65,8 @@ SKIPPED = "skipped"
 CONFIRM_MODES = ("background", "before", "never")
 #: Reason of a handle that could not be confirmed before serving (the export failed).
 UNCONFIRMED = "unconfirmed"
+#: ``Booted.reason`` of a handle served compiled from the local cache because the store could not be asked.
+SERVED_FROM_CACHE = "served from the local cache"
 #: At most this many differing tensors are named in a miss reason.
 NAMED_DIFFERENCES = 4
 
@@ -72,9 +76,11 @@ class Booted:
 
     ``compiled``: whether calls go to the compiled graph; ``loaded``: the
     record served (kept after a drift, so it can be named); ``reason``: why
-    calls go eager (None while compiled); ``confirmation``: ``pending``,
-    ``confirmed``, ``drift`` or ``skipped`` (no example inputs, ``confirm="never"``,
-    or an export that failed in the background).
+    calls go eager (while compiled: None, or ``served from the local cache
+    (unavailable: …)`` when the store could not be asked); ``served_from``:
+    ``store`` or ``cache`` (the last answer cached for this declaration);
+    ``confirmation``: ``pending``, ``confirmed``, ``drift`` or ``skipped`` (no
+    example inputs, ``confirm="never"``, or an export that failed in the background).
     """
 
     def __init__(self, model: Callable[..., Any], *, compiled: Callable[..., Any] | None = None,
@@ -83,6 +89,7 @@ class Booted:
         self.loaded = loaded
         self.reason = reason
         self.confirmation = confirmation
+        self.served_from = "store"
         self._compiled = compiled
         self._settled = threading.Event()
         if confirmation != PENDING:
@@ -112,7 +119,7 @@ class Booted:
     def __repr__(self) -> str:
         key = self.loaded.key if self.loaded else None
         return (f"Booted(compiled={self.compiled}, key={key!r}, confirmation={self.confirmation!r}, "
-                f"reason={self.reason!r})")
+                f"served_from={self.served_from!r}, reason={self.reason!r})")
 
 
 # --- discover ------------------------------------------------------------------------------
@@ -128,12 +135,13 @@ def discover_request(
     binding_signature: str | None = None,
     code: str | None = None,
     limit: int = DEFAULT_DISCOVER_LIMIT,
+    explain: bool = False,
 ) -> DiscoverRequest:
     envelope = envelope if isinstance(envelope, Envelope) else Envelope.from_dict(envelope)
     toolchain = toolchain if isinstance(toolchain, Toolchain) else Toolchain(toolchain)
     axis = ToolchainAxis(components=dict(toolchain.components), recorded=dict(toolchain.recorded))
     return DiscoverRequest(family=family, envelope=envelope.document, sm=sm, toolchain=axis, release=release,
-                           binding_signature=binding_signature, code=code, limit=limit)
+                           binding_signature=binding_signature, code=code, limit=limit, explain=explain)
 
 
 def discover(client: Client, request: DiscoverRequest) -> list[Candidate]:
@@ -142,26 +150,41 @@ def discover(client: Client, request: DiscoverRequest) -> list[Candidate]:
     Raises :class:`Offline` (offline) or :class:`Unavailable` (store down, or a
     store older than the discover route) when no answer to this very request is cached.
     """
+    return discover_answer(client, request).answer.candidates
+
+
+@dataclass(frozen=True)
+class Discovered:
+    """A discover's answer and where it came from: ``from_cache`` says why the store was not asked (None: it was)."""
+
+    answer: DiscoverAnswer
+    from_cache: str | None = None
+
+
+def discover_answer(client: Client, request: DiscoverRequest) -> Discovered:
+    """:func:`discover`, keeping the whole answer (the miss's explanation, when asked) and its source."""
     body = request.model_dump(mode="json", exclude_none=True)
+    if not body.get("explain"):  # unsent unless asked: a store from before the field refuses unknown fields
+        body.pop("explain", None)
     cached_at = client.cache.discover_path("blake3:" + blake3.blake3(canonical_json(body, hashed=False)).hexdigest())
     if client.offline:
-        return _cached_candidates(client, cached_at, Offline("offline mode and this declaration was never discovered"))
+        return _cached_answer(client, cached_at, Offline("offline mode and this declaration was never discovered"))
     try:
-        answer = client.transport.request("POST", "/v1/compiled-graphs:discover", json=body)
+        response = client.transport.request("POST", "/v1/compiled-graphs:discover", json=body)
     except Unavailable as err:
-        return _cached_candidates(client, cached_at, err)
+        return _cached_answer(client, cached_at, err)
     except NotFound as err:  # a miss is a 200 with no candidates: a 404 is a store from before the route
-        return _cached_candidates(client, cached_at, Unavailable(f"this store does not serve discovery ({err})"))
-    candidates = _parsed(DiscoverAnswer, answer.content).candidates
-    client.cache.write_json(cached_at, {"candidates": [c.model_dump(mode="json") for c in candidates]})
-    return candidates
+        return _cached_answer(client, cached_at, Unavailable(f"this store does not serve discovery ({err})"))
+    answer = _parsed(DiscoverAnswer, response.content)
+    client.cache.write_json(cached_at, {"candidates": [c.model_dump(mode="json") for c in answer.candidates]})
+    return Discovered(answer)
 
 
-def _cached_candidates(client: Client, path, error: CgstoreError) -> list[Candidate]:
+def _cached_answer(client: Client, path, error: CgstoreError) -> Discovered:
     cached = client.cache.read_json(path)
     if cached is None:
         raise error
-    return DiscoverAnswer.model_validate(cached).candidates
+    return Discovered(DiscoverAnswer.model_validate(cached), from_cache=f"{type(error).__name__.lower()}: {error}")
 
 
 # --- boot ----------------------------------------------------------------------------------
@@ -210,18 +233,31 @@ def _declaration(family, model, envelope, toolchain, sm, release, code, device) 
     fingerprint = code_fingerprint(model) if code is True else (code or None)
     return discover_request(family, envelope=envelope, sm=sm or environment_sm(device),
                             toolchain=toolchain or environment_toolchain(), release=release,
-                            binding_signature=signature_from_module(model), code=fingerprint)
+                            binding_signature=signature_from_module(model), code=fingerprint, explain=True)
 
 
 def _boot(client, family, model, request: DiscoverRequest, example_inputs, checkpoint, device,
           confirm_each: bool) -> Booted:
     """The first candidate through the structural gate (and, with ``confirm_each``, confirmed), else eager."""
     try:
-        candidates = discover(client, request)
+        discovered = discover_answer(client, request)
     except Offline as err:
         return Booted(model, reason=f"{reasons.OFFLINE_NOT_CACHED}: {err}")
-    except Unavailable as err:
-        return Booted(model, reason=f"{reasons.UNAVAILABLE}: {err}")
+    except Unavailable as err:  # down, or too slow (past the call deadline): never hung
+        return Booted(model, reason=reasons.reason_for(err))
+    booted = _serve_first(client, model, request, discovered.answer, example_inputs, checkpoint, device, confirm_each)
+    if discovered.from_cache is not None:
+        booted.served_from = "cache"
+        if booted.compiled:  # compiled all the same: say the store was not asked
+            booted.reason = f"{SERVED_FROM_CACHE} ({discovered.from_cache})"
+        else:  # a miss answered by the cache is an old answer: say whose
+            booted.reason = f"{booted.reason} (the answer cached for this declaration; {discovered.from_cache})"
+    return booted
+
+
+def _serve_first(client, model, request: DiscoverRequest, answer: DiscoverAnswer, example_inputs, checkpoint,
+                 device, confirm_each: bool) -> Booted:
+    candidates = answer.candidates
     shapes = _leaf_shapes(example_inputs) if example_inputs is not None else None
     weights = checkpoint if checkpoint is not None else model.state_dict()
     refusals, drifted = [], None
@@ -251,7 +287,7 @@ def _boot(client, family, model, request: DiscoverRequest, example_inputs, check
         return drifted
     if refusals:
         return Booted(model, reason=f"{reasons.MISS}: no candidate could be served ({'; '.join(refusals)})")
-    return Booted(model, reason=_miss_reason(client, request, model))
+    return Booted(model, reason=_miss_reason(client, request, answer.miss, model))
 
 
 def _serve_candidate(client: Client, candidate: Candidate, signature: str | None, shapes, weights, device):
@@ -293,19 +329,21 @@ def _unmatched_inputs(contract: Mapping[str, Any], shapes: Mapping[str, object])
     return f"declared {sorted(declared)}, given {sorted(shapes)}"
 
 
-def _miss_reason(client: Client, request: DiscoverRequest, model) -> str:
-    """Why nothing was found; when the declaration has records binding other tensors, which tensors differ."""
+def _miss_reason(client: Client, request: DiscoverRequest, miss: MissExplanation | None, model) -> str:
+    """Why nothing was found, in the store's words (``explain``); tensors named when the binding signature differs."""
+    if miss is None:  # a store from before explanations, or an answer from the cache
+        return f"{reasons.MISS}: no candidate for this declaration"
+    reason = f"{reasons.MISS}: {miss.detail}"
+    nearest = miss.nearest
+    if nearest is None or not any(d.axis == "binding_signature" for d in nearest.differences):
+        return reason
     try:
-        others = discover(client, request.model_copy(update={"binding_signature": None, "limit": 1}))
-        if not others:
-            return f"{reasons.MISS}: no candidate for this declaration"
-        other = others[0]
-        table = _record(client.transport.request("GET", other.record.href).content)["binding_table"]
+        # At the path the client builds from the names (never an answer's href).
+        table = _record(client.transport.request("GET", record_path(nearest.repo, nearest.key)).content)["binding_table"]
     except (CgstoreError, KeyError) as err:  # a diagnosis only: the miss stands either way
-        log.debug("no diagnosis of the miss: %s", err)
-        return f"{reasons.MISS}: no candidate binds this model's tensors ({request.binding_signature})"
-    return (f"{reasons.MISS}: no candidate binds this model's tensors ({request.binding_signature}); "
-            f"{other.key} binds {other.binding_signature}: {_tensor_differences(table, model)}")
+        log.debug("no diagnosis of the tensors: %s", err)
+        return reason
+    return f"{reason} ({nearest.key}: {_tensor_differences(table, model)})"
 
 
 def _tensor_differences(table: list[Mapping[str, Any]], model) -> str:
@@ -380,9 +418,8 @@ def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str
 
 def _report(client: Client, loaded: Loaded, measured: str, reason: str) -> None:
     """Tell the store (best effort: a report that fails changes nothing for serving)."""
-    owner, name = split_repo(loaded.repo or "")
     body = DriftReport(measured_graph=measured, reason=reason[:MAX_REASON_CHARS]).model_dump(mode="json")
     try:
-        client.transport.request("POST", f"/v1/repos/{owner}/{name}/compiled-graphs/{loaded.key}:report", json=body)
+        client.transport.request("POST", record_path(loaded.repo, loaded.key) + ":report", json=body)
     except Exception as err:  # offline, store down, client closed, refused: the drift is logged already
         log.info("cgstore: drift report for %s not delivered: %s", loaded.key, err)

@@ -21,6 +21,12 @@ default) is fetched as ``Range`` parts over up to ``connections`` (8) at once.
   refusing (expired mid-download) is resolved again through the store, once.
 - The store is asked once per blob: the first part follows its redirect and the
   other parts go straight to where it led (the token only to the store's host).
+- **Bounds** (``cgstore_client.limits``). A blob's bytes never pass the size the
+  record states (or ``max_blob_bytes`` when none is stated): a declared length past
+  it is refused before reading, a body past it stops at the bound. A blob's download
+  keeps a minimum throughput (:class:`Floor`) over all its connections, so a server
+  that serves a byte per connection, honouring ``Range``, ends the download rather
+  than being followed reconnect after reconnect.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ from typing import BinaryIO
 import blake3
 
 from cgstore_client.cache import Cache
-from cgstore_client.errors import Denied, IntegrityError, Refused, Unauthorized, Unavailable
-from cgstore_client.http import Retry, Stream, open_stream, same_origin
+from cgstore_client.errors import DeadlineExceeded, Denied, IntegrityError, Refused, TooLarge, Unauthorized, Unavailable
+from cgstore_client.http import READ_TIMEOUT_S, Retry, Stream, open_stream, same_origin
+from cgstore_client.limits import Limits
 
 #: As ``aria2c -x16``: at C = 32 MiB/s a link of A = 256 MiB/s and above needs more than 8
 #: connections to fill (``bench/boot_network.py``: 8 gave 0.86 of aria2c, 16 gave 1.01).
@@ -70,32 +77,94 @@ class Slots:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a client downloads: the shared connection slots and the part size."""
+    """How a client downloads: the shared connection slots, the part size, retries, bounds."""
 
     slots: Slots
     part_bytes: int
     retry: Retry
     cache: Cache
+    limits: Limits
+
+
+class Floor:
+    """One blob download's minimum throughput: at least ``min_bytes_per_s`` over every window of
+    ``throughput_window_s`` of *busy* time, counting the bytes of all its connections.
+
+    Busy is while at least one of its connections is open or pausing before a retry (:meth:`busy`);
+    waiting for one of the client's connection slots (another blob holds them all) is not, so a
+    blob queued behind others is never judged on time it could not use.
+    """
+
+    def __init__(self, limits: Limits, what: str) -> None:
+        self.rate, self.window_s, self.what = limits.min_bytes_per_s, limits.throughput_window_s, what
+        self.bytes, self.busy_s, self.active, self.busy_since = 0, 0.0, 0, 0.0
+        self.lock = threading.Lock()
+
+    @property
+    def timeout_s(self) -> float:
+        """How long one connection may stay silent: a window at most."""
+        return min(READ_TIMEOUT_S, self.window_s)
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        with self.lock:
+            if self.active == 0:
+                self.busy_since = time.monotonic()
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.active -= 1
+                if self.active == 0:
+                    self.busy_s += time.monotonic() - self.busy_since
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.bytes += n
+        self.check()
+
+    def check(self) -> None:
+        """Raise :class:`DeadlineExceeded` when the window that just closed was below the floor."""
+        with self.lock:
+            now = time.monotonic()
+            busy = self.busy_s + (now - self.busy_since if self.active else 0.0)
+            if busy < self.window_s:
+                return
+            if self.bytes < self.rate * busy:
+                raise DeadlineExceeded(
+                    f"{self.what}: {self.bytes} bytes in {busy:.1f} s, below the client's minimum of "
+                    f"{self.rate} bytes/s (CGSTORE_MIN_BYTES_PER_S over CGSTORE_THROUGHPUT_WINDOW_S)"
+                )
+            self.bytes, self.busy_s, self.busy_since = 0, 0.0, now
 
 
 def download(plan: Plan, url: str, token: str | None, size: int | None, out: BinaryIO,
              progress: Progress | None) -> tuple[str, int]:
-    """Download ``url`` into ``out`` (an empty file); (blake3 digest, byte count) of what it holds."""
+    """Download ``url`` into ``out`` (an empty file); (blake3 digest, byte count) of what it holds.
+
+    Raises :class:`TooLarge` past ``size`` (``max_blob_bytes`` when None) and
+    :class:`DeadlineExceeded` below the minimum throughput.
+    """
+    floor = Floor(plan.limits, f"the download of {url.split('?')[0].rsplit('/', 1)[-1]}")
     if size is not None and size > plan.part_bytes and plan.slots.connections > 1:
         try:
-            return _Parallel(plan, _Source(url, token, size), size, out.fileno(), progress).run()
+            return _Parallel(plan, _Source(url, token, size, floor.timeout_s), size, out.fileno(), progress,
+                             floor).run()
         except _RangesIgnored:
             out.seek(0)
             out.truncate()
-    return _Single(plan, url, token, size, out, progress).run()
+    return _Single(plan, url, token, size, out, progress, floor).run()
 
 
 class _Single:
     """One stream: resumes with ``Range`` after a dropped connection, restarts on a 200."""
 
     def __init__(self, plan: Plan, url: str, token: str | None, size: int | None, out: BinaryIO,
-                 progress: Progress | None) -> None:
+                 progress: Progress | None, floor: Floor) -> None:
         self.plan, self.url, self.token, self.size, self.out, self.progress = plan, url, token, size, out, progress
+        self.floor = floor
+        self.bound = size if size is not None else plan.limits.max_blob_bytes
         self.hasher = blake3.blake3()
         self.have = 0
 
@@ -104,19 +173,23 @@ class _Single:
         while True:
             before = self.have
             try:
-                with self.plan.slots.take() as buffer:
+                self.floor.check()
+                with self.plan.slots.take() as buffer, self.floor.busy():
                     self._attempt(buffer)
                 return "blake3:" + self.hasher.hexdigest(), self.have
+            except DeadlineExceeded:
+                raise
             except Unavailable as err:
                 # Attempts count only failures without progress: a flaky link that keeps
-                # delivering bytes is followed to the end, a dead one is given up on.
+                # delivering bytes is followed to the end (within the floor), a dead one is given up on.
                 failures = 1 if self.have > before else failures + 1
                 if failures >= self.plan.retry.attempts:
                     raise
-                time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
+                with self.floor.busy():
+                    time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
 
     def _attempt(self, buffer: memoryview) -> None:
-        stream = open_stream(self.url, self.token, start=self.have)
+        stream = open_stream(self.url, self.token, start=self.have, timeout_s=self.floor.timeout_s)
         try:
             self._check_span(stream)
             self._copy(stream, buffer)
@@ -131,6 +204,9 @@ class _Single:
             self._restart()  # a 200 to a ranged request: the whole body again, from scratch
         if stream.total is not None:
             _check_total(stream, self.size)
+            if stream.total > self.bound:
+                raise TooLarge(f"the server serves {stream.total} bytes, more than the bound of {self.bound} "
+                               f"({self._bound_name()}); nothing was read")
             if self.have == 0:
                 self.plan.cache.require_space(stream.total)
 
@@ -141,21 +217,29 @@ class _Single:
         self.have = 0
 
     def _copy(self, stream: Stream, buffer: memoryview) -> None:
-        while n := stream.readinto(buffer):
+        # Never asks for more than one byte past the bound: a body that goes on is cut there.
+        while n := stream.readinto(buffer[: min(len(buffer), self.bound - self.have + 1)]):
+            if self.have + n > self.bound:
+                raise TooLarge(f"more than the {self._bound_name()} of {self.bound} bytes; reading stopped there")
             chunk = buffer[:n]
             self.hasher.update(chunk)
             self.out.write(chunk)
             self.have += n
-            if self.size is not None and self.have > self.size:
-                raise IntegrityError(f"more than the expected {self.size} bytes")
             if self.progress is not None:
                 self.progress(n)
+            self.floor.add(n)
+
+    def _bound_name(self) -> str:
+        if self.size is not None:
+            return "expected size"
+        return "client's bound on a blob of unstated size (CGSTORE_MAX_BLOB_BYTES)"
 
 
 def _check_total(stream: Stream, size: int | None) -> None:
     if stream.total is not None and size is not None and stream.total != size:
         stream.close()
-        raise IntegrityError(f"the store serves {stream.total} bytes, expected {size}")
+        error = TooLarge if stream.total > size else IntegrityError
+        raise error(f"the store serves {stream.total} bytes, expected {size}; nothing was read")
 
 
 class _RangesIgnored(Exception):
@@ -165,8 +249,8 @@ class _RangesIgnored(Exception):
 class _Source:
     """Where parts come from: the store's blob URL, and where its redirect led (a presigned URL)."""
 
-    def __init__(self, url: str, token: str | None, size: int) -> None:
-        self.url, self.token, self.size = url, token, size
+    def __init__(self, url: str, token: str | None, size: int, timeout_s: float) -> None:
+        self.url, self.token, self.size, self.timeout_s = url, token, size, timeout_s
         self.resolved: str | None = None
         self.renewed = False
         self.ignored = False  # a part got other bytes than asked: the others need not ask
@@ -178,12 +262,13 @@ class _Source:
             if self.ignored:
                 raise _RangesIgnored("the server ignores ranges")
             if self.resolved is None:
-                stream = open_stream(self.url, self.token, start=start, end=end)
+                stream = open_stream(self.url, self.token, start=start, end=end, timeout_s=self.timeout_s)
                 self.resolved = stream.url
                 return self._checked(stream, start, end)
             url = self.resolved
         try:
-            stream = open_stream(url, self.token if same_origin(url, self.url) else None, start=start, end=end)
+            stream = open_stream(url, self.token if same_origin(url, self.url) else None, start=start, end=end,
+                                 timeout_s=self.timeout_s)
         except (Denied, Unauthorized):
             if not self._renew(url):
                 raise
@@ -223,8 +308,10 @@ class _Part:
 class _Parallel:
     """A blob of known size as ranged parts over the client's connection slots, hashed as its prefix grows."""
 
-    def __init__(self, plan: Plan, source: _Source, size: int, fd: int, progress: Progress | None) -> None:
+    def __init__(self, plan: Plan, source: _Source, size: int, fd: int, progress: Progress | None,
+                 floor: Floor) -> None:
         self.plan, self.source, self.size, self.fd, self.progress = plan, source, size, fd, progress
+        self.floor = floor
         self.parts = [_Part(start, min(start + plan.part_bytes, size)) for start in range(0, size, plan.part_bytes)]
         self.todo = iter(self.parts)
         self.changed = threading.Condition()  # a part advanced, failed, or a worker ended
@@ -296,20 +383,28 @@ class _Parallel:
         while part.next < part.end and self.error is None:
             before = part.have
             try:
-                with self.plan.slots.take() as buffer:
+                self.floor.check()
+                with self.plan.slots.take() as buffer, self.floor.busy():
                     self._attempt(part, buffer)
+            except DeadlineExceeded:
+                raise
             except Unavailable as err:
                 failures = 1 if part.have > before else failures + 1
                 if failures >= self.plan.retry.attempts:
                     raise
-                time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
+                with self.floor.busy():
+                    time.sleep(self.plan.retry.delay(failures, err.retry_after_s))
 
     def _attempt(self, part: _Part, buffer: memoryview) -> None:
         if self.error is not None:
             return  # the download failed while this part waited for a connection
         stream = self.source.open(part.next, part.end)
         try:
-            while self.error is None and (n := stream.readinto(buffer)):
+            # At most one byte past the part: a body longer than its Content-Range never overwrites the next part.
+            while self.error is None and (n := stream.readinto(buffer[: min(len(buffer), part.end - part.next + 1)])):
+                if part.next + n > part.end:
+                    raise TooLarge(f"bytes {part.start}-{part.end - 1} came with more than "
+                                   f"{part.end - part.start} bytes")
                 _pwrite(self.fd, buffer[:n], part.next)
                 with self.changed:
                     part.have += n
@@ -317,6 +412,7 @@ class _Parallel:
                 if self.progress is not None:
                     with self.progress_lock:
                         self.progress(n)
+                self.floor.add(n)
             if self.error is None:
                 stream.finish()
         finally:

@@ -7,6 +7,10 @@ class CgstoreError(Exception):
     """Base of every error raised by cgstore_client."""
 
 
+class ConfigError(CgstoreError, ValueError):
+    """The client's configuration is unusable (an unreadable token file, a setting out of range...)."""
+
+
 class KeyInvalid(CgstoreError, ValueError):
     """A ck1 key that breaks the key grammar."""
 
@@ -85,12 +89,25 @@ class Unavailable(StoreError):
         self.retry_after_s = retry_after_s
 
 
+class DeadlineExceeded(Unavailable):
+    """The store (or a blob server) was too slow: an API call past the client's deadline
+    (``CGSTORE_CALL_DEADLINE_S``), or a download below its minimum throughput (``CGSTORE_MIN_BYTES_PER_S``).
+
+    Retryable later, never within the call: the time it was given is spent.
+    """
+
+
 class Offline(CgstoreError):
     """The client is in offline mode and what was asked is not in the local cache."""
 
 
 class IntegrityError(CgstoreError):
     """Bytes or a record that are not what was asked for (digest, size, receipt); nothing was kept."""
+
+
+class TooLarge(IntegrityError):
+    """An answer or a blob past the bound the client holds it to (``CGSTORE_MAX_ANSWER_BYTES``, the size the
+    record states, or ``CGSTORE_MAX_BLOB_BYTES``): reading stopped at the bound and nothing was kept."""
 
 
 class InsufficientSpace(CgstoreError, OSError):

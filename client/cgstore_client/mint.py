@@ -176,6 +176,12 @@ class MintResult:
     def graph_digest(self) -> str:
         return self.report.graph_digest
 
+    def __repr__(self) -> str:
+        # One short line: the report (its whole binding table) is there to read, not to print.
+        return (f"MintResult(path={self.path!r}, digest={self.digest!r}, size={self.size}, "
+                f"graph_digest={self.graph_digest!r}, constants={len(self.report.binding_table)}, "
+                f"constants_path={self.constants_path!r})")
+
 
 # --------------------------------------------------------------------------
 # Policy

@@ -28,14 +28,28 @@ store refuses a receipt presented as a bearer token (401 ``TOKEN_INVALID``),
 and :func:`verify_receipt` refuses a cap-token (``typ`` ``JWT``, ``aud``
 ``cgstore``). A receipt has no ``exp``: it stays verifiable while its ``kid``
 is in the JWKS, that is until the operator retires that key.
+
+Trust anchors. By default a client verifies receipts against the JWKS of the
+store it talks to, which proves the record is that store's, not that the store
+is honest: a compromised store or a man in the middle serves its own keys. A
+:class:`TrustPin` (``Client(trusted_jwks=)`` / ``CGSTORE_TRUSTED_JWKS``) names
+the keys a worker trusts by their RFC 7638 thumbprint (:func:`jwk_thumbprint`);
+receipts then verify only against keys of the store's JWKS the pin lists.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import base64
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from cgstore_client.errors import CgstoreError
+from cgstore_client.errors import CgstoreError, ConfigError
 
 RECEIPT_TYP = "cgstore-receipt+jwt"
 RECEIPT_AUDIENCE = "cgstore-receipt"
@@ -167,3 +181,94 @@ def _public_key(jwks: Mapping[str, Any] | list[Mapping[str, Any]], kid: object):
             except jwt.PyJWTError as err:
                 raise ReceiptInvalid(f"unusable key {kid!r} in the JWKS: {err}") from err
     raise ReceiptKeyUnknown(f"receipt signed by unknown key {kid!r}")
+
+
+# --- trust anchors -----------------------------------------------------------------------------
+
+#: RFC 7638 section 3.2: the members of a public JWK its thumbprint hashes, per key type (sorted).
+THUMBPRINT_MEMBERS = {"OKP": ("crv", "kty", "x"), "EC": ("crv", "kty", "x", "y"), "RSA": ("e", "kty", "n"),
+                      "oct": ("k", "kty")}
+#: A SHA-256 thumbprint: 32 bytes in base64url without padding.
+_THUMBPRINT = re.compile(r"[A-Za-z0-9_-]{43}")
+
+
+def jwk_thumbprint(jwk: Mapping[str, Any]) -> str:
+    """The RFC 7638 thumbprint of a JWK: SHA-256 of its required members as JSON without whitespace, in
+    lexicographic order, in base64url without padding. Names a key whatever its ``kid``."""
+    members = THUMBPRINT_MEMBERS.get(jwk.get("kty"))  # type: ignore[arg-type]
+    if members is None or not all(isinstance(jwk.get(m), str) for m in members):
+        raise ConfigError(f"not a public JWK with a thumbprint (kty {jwk.get('kty')!r})")
+    canonical = json.dumps({m: jwk[m] for m in members}, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+    return base64.urlsafe_b64encode(hashlib.sha256(canonical.encode()).digest()).rstrip(b"=").decode()
+
+
+@dataclass(frozen=True)
+class TrustPin:
+    """The keys a worker trusts to sign receipts, by RFC 7638 thumbprint.
+
+    :meth:`narrow` keeps of a store's JWKS only the keys the pin lists: a key the
+    store rotates in verifies nothing until the pin lists it, and a key it retires
+    stops verifying, as without a pin.
+    """
+
+    thumbprints: frozenset[str]
+    #: Where the pin came from, for messages.
+    source: str
+
+    @classmethod
+    def parse(cls, value: object) -> TrustPin | None:
+        """A pin from a JWKS (``{"keys": [...]}``), a JWKS file's path, a comma-separated string of
+        thumbprints, or an iterable of thumbprints; None stays None (no pin)."""
+        if value is None or isinstance(value, TrustPin):
+            return value
+        if isinstance(value, Mapping):
+            return cls._of_jwks(value, "the given JWKS")
+        if isinstance(value, os.PathLike):
+            return cls._of_file(Path(value))
+        if isinstance(value, str):
+            items = [item.strip() for item in value.split(",") if item.strip()]
+            if items and all(_THUMBPRINT.fullmatch(item) for item in items):
+                return cls._of_thumbprints(items)
+            return cls._of_file(Path(value))
+        if isinstance(value, Iterable):
+            return cls._of_thumbprints([str(item).strip() for item in value])
+        raise ConfigError(f"trusted_jwks is a JWKS, a JWKS file or thumbprints, not {type(value).__name__}")
+
+    @classmethod
+    def _of_thumbprints(cls, items: list[str]) -> TrustPin:
+        bad = [item for item in items if not _THUMBPRINT.fullmatch(item)]
+        if bad or not items:
+            raise ConfigError(f"trusted key thumbprints are RFC 7638 SHA-256 thumbprints (43 base64url characters), "
+                              f"not {bad[:3] or items!r}")
+        return cls(frozenset(items), f"{len(items)} pinned thumbprint(s)")
+
+    @classmethod
+    def _of_file(cls, path: Path) -> TrustPin:
+        try:
+            document = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"CGSTORE_TRUSTED_JWKS {str(path)[:200]!r} is neither thumbprints nor a readable JWKS "
+                              f"file: {err}") from None
+        if not isinstance(document, Mapping):
+            raise ConfigError(f"{path} is not a JWKS (an object with 'keys')")
+        return cls._of_jwks(document, str(path))
+
+    @classmethod
+    def _of_jwks(cls, jwks: Mapping[str, Any], source: str) -> TrustPin:
+        keys = jwks.get("keys")
+        if not isinstance(keys, list) or not keys:
+            raise ConfigError(f"{source} lists no keys to trust")
+        return cls(frozenset(jwk_thumbprint(jwk) for jwk in keys if isinstance(jwk, Mapping)), source)
+
+    def narrow(self, jwks: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The keys of ``jwks`` this pin trusts."""
+        return {"keys": [jwk for jwk in (jwks or {}).get("keys") or [] if self.trusts(jwk)]}
+
+    def trusts(self, jwk: Mapping[str, Any]) -> bool:
+        try:
+            return jwk_thumbprint(jwk) in self.thumbprints
+        except ConfigError:
+            return False
+
+    def __str__(self) -> str:
+        return f"the trust pin ({self.source})"

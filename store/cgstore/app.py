@@ -31,6 +31,7 @@ from cgstore.core.inputs import refuse_unstorable_parameters
 from cgstore.core.metrics import Metrics, MetricsMiddleware
 from cgstore.core.private import private_dir
 from cgstore.core.serving import freeze_startup_heap, thaw_heap
+from cgstore.core.urls import install_slash_redirects
 from cgstore.health.router import router as health_router
 from cgstore.operations import gc, leases, scrub
 from cgstore.operations import service as operations
@@ -181,6 +182,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (health_router, tokens_router, owners_router, repos_router, blobs_router, audit_router,
                    compiled_graphs_router, compiled_graphs_resolve_router, admin_router, console_router):
         app.include_router(router)
+    install_slash_redirects(app, settings.public_url)
     install_request_schemas(app)
     install_links(app)
     return app

@@ -137,12 +137,26 @@ def token_mint(
     ttl: Annotated[str, typer.Option(help="Lifetime: 90s, 15m, 1h, 7d.")] = "1h",
     platform: Annotated[bool, typer.Option(help="A platform token; registers SUB as a platform principal.")] = False,
 ) -> None:
-    """Print a token signed with the ring's current key."""
+    """Print a token signed with the ring's current key (and, on stderr, the CGSTORE_HOME it came from)."""
+    _say_where()
     try:
         minted = _token_service().mint(sub, grant, parse_duration(ttl), platform=platform)
     except StoreError as err:
         raise _fail(err) from None
     typer.echo(minted.token)
+
+
+def _say_where() -> None:
+    """Name the state the CLI uses: run from another directory, ``./.cgstore`` is another store's key and database."""
+    settings = Settings()
+    home = settings.home.resolve()
+    if settings.database_url is not None:
+        where = "the database of CGSTORE_DATABASE_URL"
+    elif (home / "cgstore.sqlite3").exists():
+        where = f"CGSTORE_HOME={home}"
+    else:
+        where = f"CGSTORE_HOME={home} (new here: a server started elsewhere will not know its key)"
+    typer.echo(f"cgstore: using {where}", err=True)
 
 
 @token_app.command("list")

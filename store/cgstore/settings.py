@@ -14,7 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1 << 20
@@ -55,6 +55,12 @@ class Settings(BaseSettings):
         json_schema_extra={"shown": "$CGSTORE_HOME/keys"},
     )
     token_issuer: str = Field("cgstore", description="`iss` of minted tokens, required on verified ones")
+    public_url: str | None = Field(
+        None,
+        description="the store's URL as clients reach it (`https://store.example[/prefix]`): redirects and the "
+        "blob URLs of resolve and discover answers are built from it; unset, they are relative paths (never built "
+        "from the request's `Host` header)",
+    )
     redirect_downloads: bool = Field(True, description="on S3, answer blob GETs with 307 to a presigned URL")
     presign_ttl_s: int = Field(300, ge=10, le=7 * 24 * 3600, description="lifetime of presigned download URLs")
     max_blob_bytes: int = Field(64 * GiB, ge=1, description="largest blob accepted (413 `TOO_LARGE` beyond)")
@@ -148,6 +154,18 @@ class Settings(BaseSettings):
         "shown while the next are computed in the background); 0: on every view",
     )
     log_level: str = Field("info", description="log level")
+
+    @field_validator("public_url")
+    @classmethod
+    def _absolute_http_url(cls, value: str | None) -> str | None:
+        """An http(s) origin and optional path prefix, kept without its trailing slash; empty is unset."""
+        if not value:
+            return None
+        parsed = urlparse(value)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc or parsed.query or parsed.fragment \
+                or parsed.params or "@" in parsed.netloc:
+            raise ValueError("CGSTORE_PUBLIC_URL is an http(s) URL without credentials, query or fragment")
+        return value.rstrip("/")
 
     @cached_property
     def resolved_database_url(self) -> str:

@@ -32,7 +32,7 @@ from cgstore.cli import app
 from cgstore.core import migrate
 from cgstore.core.db import Database, utcnow
 from cgstore.settings import Settings
-from cgstore.tokens.keys import KeyRing, key_id, public_pem
+from cgstore.tokens.keys import KeyRing, jwk, key_id, public_pem
 from cgstore.tokens.models import SigningKey
 from tests.audit.conftest import last_id
 from tests.support import services
@@ -281,7 +281,8 @@ def test_a_key_planted_in_the_ring_signs_nothing_for_a_pinned_jwks(log, tmp_path
         forged = chain.entry_digest(event)
         session.add(SigningKey(kid=key_id(planted.public_key()), public_key=public_pem(planted.public_key()),
                                created_at=utcnow()))
-        claims = {"iss": "cgstore", "aud": chain.CHECKPOINT_AUDIENCE, "iat": 0, "audit_id": ids[-1], "digest": forged}
+        claims = {"iss": "cgstore", "aud": chain.CHECKPOINT_AUDIENCE, "iat": 0, "audit_id": ids[-1], "digest": forged,
+                  "start": ids[0]}
         statement = jwt.encode(claims, planted, algorithm="EdDSA",
                                headers={"kid": key_id(planted.public_key()), "typ": chain.CHECKPOINT_TYP})
         session.execute(text("UPDATE audit_head SET digest = :digest"), {"digest": forged})
@@ -299,6 +300,9 @@ def test_keys_must_be_a_jwks(log, tmp_path):
     (tmp_path / "not.json").write_text("[1, 2]")
     result = log.cli("verify", "--keys", str(tmp_path / "not.json"))
     assert result.exit_code == 2 and "not a JWKS" in result.output
+    (tmp_path / "rsa.json").write_text(json.dumps({"keys": [{"kty": "RSA", "kid": "x"}]}))
+    result = log.cli("verify", "--keys", str(tmp_path / "rsa.json"))
+    assert result.exit_code == 2 and "not an Ed25519 JWK" in result.output, result.output
 
 
 def test_the_database_refuses_to_change_a_checkpoint_or_delete_the_head(log):
@@ -317,3 +321,179 @@ def test_the_database_refuses_to_change_a_checkpoint_or_delete_the_head(log):
     log.write(1)  # the head still moves: appends update it
     _checkpoint(log)
     assert log.cli("verify").exit_code == 0
+
+
+# -- issue 30 §1: rewrites that cleared digests, and a tail cut behind a saved checkpoint ------------------------
+
+
+def _rechain(log: Log, event_ids: list[int], prev: str) -> str:
+    """Recompute ``prev`` and ``digest`` of ``event_ids`` in order from ``prev`` (no key needed); the last digest."""
+    with log.db.session() as session:
+        stored = [session.get(AuditEvent, i) for i in event_ids]
+        copies = [AuditEvent(id=e.id, **{column: getattr(e, column) for column in CHAIN_COLUMNS}) for e in stored]
+    for copy in copies:
+        copy.prev = prev
+        prev = copy.digest = chain.entry_digest(copy)
+    with log.untriggered() as conn:
+        # Through free digests first: the unique index refuses two rows with one digest, even for a moment.
+        conn.execute(update(AuditEvent).where(AuditEvent.id.in_(event_ids)).values(digest=None))
+        for copy in copies:
+            conn.execute(update(AuditEvent).where(AuditEvent.id == copy.id).values(prev=copy.prev, digest=copy.digest))
+    return prev
+
+
+def _set_head(log: Log, **values) -> None:
+    with log.db.engine.begin() as conn:  # the head is updated by every append: no trigger stands in the way
+        conn.execute(text("UPDATE audit_head SET " + ", ".join(f"{c} = :{c}" for c in values)), values)
+
+
+def _sign_without_start(log: Log, audit_id: int) -> None:
+    """A checkpoint as the store signed them before the chain's start was signed (migration 0016): no ``start``."""
+    ring = KeyRing(log.db, log.settings)
+    with log.db.session() as session:
+        digest = session.get(AuditEvent, audit_id).digest
+        kid, key = ring.signing_key(session)
+        claims = {"iss": "cgstore", "aud": chain.CHECKPOINT_AUDIENCE, "iat": 0, "audit_id": audit_id, "digest": digest}
+        statement = jwt.encode(claims, key, algorithm="EdDSA", headers={"kid": kid, "typ": chain.CHECKPOINT_TYP})
+        session.add(AuditCheckpoint(audit_id=audit_id, digest=digest, at=utcnow(), kid=kid, statement=statement))
+
+
+@pytest.mark.parametrize("signed", ["start signed", "checkpoint from before 0016"])
+def test_a_prefix_unchained_and_rechained_from_a_new_genesis_is_named(log, signed):
+    """Clear digest and prev of every entry up to the last checkpoint, edit one and delete one, start a new
+    genesis at the next entry, recompute the digests to the end and fix the head: no key needed."""
+    ids = log.write(6)
+    if signed == "start signed":
+        _checkpoint(log)
+    else:
+        _sign_without_start(log, ids[-1])
+    ids = log.write(10)  # every id, the 10 new ones included
+    with log.untriggered() as conn:
+        conn.execute(update(AuditEvent).where(AuditEvent.id <= ids[5]).values(digest=None, prev=None))
+        conn.execute(update(AuditEvent).where(AuditEvent.id == ids[2]).values(outcome="ok-rewritten"))
+        conn.execute(delete(AuditEvent).where(AuditEvent.id == ids[3]))
+    last = _rechain(log, ids[6:], chain.GENESIS)
+    _set_head(log, digest=last)
+    if signed == "start signed":
+        _verify_fails(log, ids[0], f"unchained (its digest was removed; the chain starts at entry {ids[0]})")
+    else:  # nothing signs the start: the head's is moved too, and the checkpoint's entry tells
+        _set_head(log, start_id=ids[6])
+        _verify_fails(log, ids[5], "unchained (its digest was removed; the signed checkpoint names it)")
+
+
+def test_every_digest_cleared_and_the_head_reset_is_named_with_100_entries_deleted(log):
+    ids = log.write(60)
+    _checkpoint(log)  # entry 60: among those deleted below
+    ids = log.write(60)
+    with log.untriggered() as conn:
+        conn.execute(update(AuditEvent).values(digest=None, prev=None))
+        conn.execute(delete(AuditEvent).where(AuditEvent.id.between(ids[10], ids[109])))
+    _set_head(log, last_id=ids[-1], digest=chain.GENESIS)
+    _verify_fails(log, ids[0], f"unchained (its digest was removed; the chain starts at entry {ids[0]})")
+    # From the checkpoint on, the unchained entries after the gap do not count as reaching it: it is missing.
+    result = log.cli("verify", "--since", str(ids[59]))
+    assert result.exit_code == 1, result.output
+    assert f"broken at entry {ids[59]}: entry missing (the signed checkpoint names it)" in result.output
+
+
+def test_a_checkpoint_signing_another_start_is_named(log):
+    ids = log.write(3)
+    _checkpoint(log)
+    _set_head(log, start_id=ids[1])
+    ids = log.write(2)
+    _checkpoint(log)  # signs the head's (moved) start
+    _verify_fails(log, ids[-1], f"checkpoint signs another chain start (entry {ids[1]}, not entry {ids[0]})")
+
+
+def test_the_migration_records_where_the_chain_starts(empty_url, tmp_path):
+    """A log chained since 0011 starts at its first entry with a digest, whatever came before."""
+    migrate.upgrade(empty_url, "0009_scrub")
+    db = Database(empty_url)
+    try:
+        with db.engine.begin() as conn:
+            for old_id in (7, 9):
+                conn.execute(text("INSERT INTO audit_events (id, at, actor, action, target, outcome, count, detail) "
+                                  "VALUES (:id, CURRENT_TIMESTAMP, 'old', 'test.old', 't', 'ok', 1, '{}')"), {"id": old_id})
+        migrate.upgrade(empty_url, "0015_audit_action_pages")
+        log = Log(db, Settings(home=tmp_path / "home", database_url=empty_url))
+        assert log.write(2) == [7, 9, 10, 11]
+        migrate.upgrade(empty_url)
+        _checkpoint(log)
+        with db.session() as session:
+            assert session.get(AuditCheckpoint, 11).start_id == 10
+        assert "2 entries from before the chain" in log.cli("verify").output
+        with log.untriggered() as conn:
+            conn.execute(update(AuditEvent).where(AuditEvent.id == 10).values(digest=None, prev=None))
+        _rechain(log, [11], chain.GENESIS)
+        _verify_fails(log, 10, "unchained (its digest was removed; the chain starts at entry 10)")
+    finally:
+        db.dispose()
+
+
+def _save(log: Log, path: Path) -> dict:
+    result = log.cli("checkpoint", "--save", str(path))
+    assert result.exit_code == 0 and f"to {path}" in result.output, result.output
+    return json.loads(path.read_text())
+
+
+def test_a_saved_checkpoint_verifies_offline_and_an_extended_log_extends_it(log, tmp_path):
+    ids = log.write(3)
+    saved = _save(log, tmp_path / "cp.json")
+    # Offline: the file alone verifies (its JWK), and the signed claims are the entry's.
+    claims = jwt.decode(saved["statement"], jwt.PyJWK(saved["jwk"]).key, algorithms=["EdDSA"],
+                        audience=chain.CHECKPOINT_AUDIENCE)
+    assert (claims["audit_id"], claims["start"]) == (ids[-1], ids[0])
+    ids = log.write(4)
+    result = log.cli("verify", "--since-checkpoint", str(tmp_path / "cp.json"))
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().endswith(f"it extends the saved checkpoint of entry {ids[2]}")
+    assert _save(log, tmp_path / "cp.json")["audit_id"] == ids[-1]  # signs the moved head, saves that
+
+
+def test_a_saved_checkpoint_must_verify(log, tmp_path):
+    log.write(3)
+    saved = _save(log, tmp_path / "cp.json")
+    header, claims, signature = saved["statement"].split(".")
+    (tmp_path / "forged.json").write_text(json.dumps({**saved, "statement": f"{header}.{claims}.{signature[:-4]}AAAA"}))
+    result = log.cli("verify", "--since-checkpoint", str(tmp_path / "forged.json"))
+    assert result.exit_code == 1 and "saved checkpoint signature bad" in result.output, result.output
+    other = Ed25519PrivateKey.generate().public_key()
+    (tmp_path / "other.json").write_text(json.dumps({"keys": [jwk(key_id(other), other)]}))
+    result = log.cli("verify", "--since-checkpoint", str(tmp_path / "cp.json"), "--keys", str(tmp_path / "other.json"))
+    assert result.exit_code == 1 and "saved checkpoint signature bad (unknown key" in result.output, result.output
+    (tmp_path / "junk.json").write_text('{"keys": []}')
+    result = log.cli("verify", "--since-checkpoint", str(tmp_path / "junk.json"))
+    assert result.exit_code == 2 and "not a saved checkpoint" in result.output, result.output
+
+
+def test_nothing_is_saved_before_a_checkpoint_exists(log, tmp_path):
+    result = log.cli("checkpoint", "--save", str(tmp_path / "cp.json"))
+    assert result.exit_code == 1 and "not saved: no checkpoint signed yet" in result.output, result.output
+    assert not (tmp_path / "cp.json").exists()
+
+
+@pytest.mark.parametrize("then", ["truncated", "truncated and refilled"])
+def test_a_tail_cut_behind_a_saved_checkpoint_is_named(log, tmp_path, then):
+    """Delete the entries after a checkpoint (and the checkpoints naming them) and fix the head: the log alone
+    still verifies, but it no longer extends the checkpoint the verifier saved."""
+    ids = log.write(5)
+    _checkpoint(log)
+    ids = log.write(3)
+    _save(log, tmp_path / "cp.json")  # signs and saves entry 8
+    ids = log.write(2)
+    with log.db.session() as session:
+        kept = session.get(AuditEvent, ids[4]).digest
+    with log.untriggered() as conn:
+        conn.execute(delete(AuditEvent).where(AuditEvent.id > ids[4]))
+        conn.execute(delete(AuditCheckpoint).where(AuditCheckpoint.audit_id > ids[4]))
+    _set_head(log, last_id=ids[4], digest=kept)
+    if then == "truncated and refilled":
+        log.write(5)  # the store appends on from the cut: entry 8 exists again, with another digest
+    assert log.cli("verify").exit_code == 0  # what the database alone cannot tell
+    result = log.cli("verify", "--since-checkpoint", str(tmp_path / "cp.json"))
+    assert result.exit_code == 1, result.output
+    if then == "truncated":
+        assert (f"broken at entry {ids[5]}: entry missing (the saved checkpoint names entry {ids[7]}; "
+                f"the chain ends at entry {ids[4]})") in result.output
+    else:
+        assert f"broken at entry {ids[7]}: content edited (its digest differs from the saved checkpoint's)" in result.output

@@ -8,6 +8,7 @@ is served compiled is bound to the live model's own state.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.server
 import importlib.util
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 
+import jwt
 import pytest
 import torch
 from cgstore_client import Booted, Client, CompiledRequired
@@ -28,7 +30,7 @@ from cgstore_client.mint import derived_constants_path, environment_sm, environm
 
 from tests.support.archives import REPO, tiny_inputs, tiny_model
 from tests.support.docs import example
-from tests.support.live_store import unique_repo
+from tests.support.live_store import CONFIGURATIONS, unique_repo
 from tests.support.services import free_port
 
 pytestmark = pytest.mark.torch
@@ -191,8 +193,8 @@ def test_a_reshaped_or_renamed_tensor_finds_no_candidate_and_says_which(store, d
     with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
         booted = boot(client, model(), code=False)
     assert not booted.compiled and booted.loaded is None
-    assert booted.reason.startswith("miss: no candidate binds this model's tensors") and key in booted.reason
-    assert named in booted.reason
+    assert booted.reason.startswith(f"miss: 1 record of {FAMILY} in ") and key in booted.reason
+    assert "nearest differs in binding signature: bs1:" in booted.reason and named in booted.reason
 
 
 def test_example_inputs_outside_the_contract_are_served_eager_with_the_contracts_words(store, declared, tmp_path):
@@ -214,6 +216,7 @@ def test_offline_boot_answers_from_the_cache_and_says_what_it_lacks(store, decla
         served = boot(offline, live)
         other_release = offline.boot(FAMILY, live, envelope=ENVELOPE, release="never-discovered")
     assert served.compiled and served.loaded.key == key and same_outputs(served, live)
+    assert served.served_from == "cache" and served.reason.startswith("served from the local cache (offline: ")
     assert not other_release.compiled and other_release.reason.startswith("offline and not cached")
 
 
@@ -227,6 +230,7 @@ def test_with_the_store_down_boot_answers_from_a_warm_cache(store, declared, tmp
         served = boot(fresh, live, example_inputs=tiny_inputs())
         assert served.wait_confirmed(CONFIRM_TIMEOUT_S) == "confirmed"  # the report path is never taken
     assert served.compiled and served.loaded.key == key and same_outputs(served, live)
+    assert served.served_from == "cache" and served.reason.startswith("served from the local cache (unavailable: ")
     with Client(gone, token, cache_dir=tmp_path / "cold") as cold:
         eager = boot(cold, live)
     assert not eager.compiled and eager.reason.startswith("store unavailable")
@@ -273,6 +277,33 @@ def test_a_store_without_the_discover_route_boots_from_the_cache_or_eager(store,
                 boot(cold, live, mandatory=True)
     assert served.compiled and served.loaded.key == key and same_outputs(served, live)
     assert not eager.compiled and eager.reason.startswith("store unavailable: this store does not serve discovery")
+
+
+def test_five_causes_of_a_miss_say_five_different_things(store, declared, tmp_path):
+    """A family typo, a missing batch_sizes, a release the record lacks, another torch, another toolchain spelling."""
+    _, token, key, _ = declared
+    live, toolchain = tiny_model(seed=3), environment_toolchain()
+    torch_version = toolchain.components["torch"]
+    document = {k: v for k, v in ENVELOPE.document.items() if k not in ("v", "batch_sizes")}
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        booted = {
+            "family": client.boot("tiny-discvoer", live, envelope=ENVELOPE, release=RELEASE),
+            "batch_sizes": client.boot(FAMILY, live, envelope=document, release=RELEASE),
+            "release": client.boot(FAMILY, live, envelope=ENVELOPE, release="endpoint-8"),
+            "torch": boot(client, live, toolchain=Toolchain({**toolchain.components, **toolchain.recorded,
+                                                             "torch": "2.12.0"})),
+            "spelling": boot(client, live, toolchain={"torch": torch_version}),
+        }
+    reasons = {cause: handle.reason for cause, handle in booted.items()}
+    assert not any(handle.compiled for handle in booted.values())
+    assert reasons["family"] == ("miss: no record of family 'tiny-discvoer' this token may read "
+                                 f"(did you mean {FAMILY}?)")
+    assert reasons["batch_sizes"].endswith("nearest differs in envelope batch_sizes: [1] here, [1, 2, 5] recorded")
+    assert reasons["release"].endswith(f"nearest differs in release: endpoint-8 here, {RELEASE} recorded")
+    assert reasons["torch"].endswith(f"nearest differs in toolchain torch: 2.12.0 here, {torch_version} recorded")
+    assert "nearest differs in toolchain " in reasons["spelling"]  # the walk-through's {"torch": …} lacks the rest
+    assert f"toolchain settings: none here, {toolchain.components['settings']} recorded" in reasons["spelling"]
+    assert len(set(reasons.values())) == 5
 
 
 def test_the_docs_boot_by_declaration_runs_as_written(make_store, pt2_archive, tmp_path, monkeypatch):
@@ -402,7 +433,9 @@ def test_an_edit_to_the_model_class_file_finds_no_candidate_by_code_fingerprint(
         by_structure = boot(client, edited, code=False, confirm="before", example_inputs=tiny_inputs())
     assert served.compiled and served.loaded.key == key and same_outputs(served, original)
     assert not by_code.compiled and by_code.loaded is None
-    assert by_code.reason == "miss: no candidate for this declaration"
+    assert by_code.reason.startswith(f"miss: 1 record of {FAMILY} in ")
+    assert by_code.reason.endswith(f"nearest differs in code: {code_fingerprint(edited)} here, "
+                                   f"{code_fingerprint(original)} recorded")
     assert by_structure.loaded.key == key and by_structure.confirmation == "drift"
     assert not by_structure.compiled and by_structure.reason.startswith("drift")
 
@@ -417,4 +450,106 @@ def test_a_recorded_library_version_other_than_the_records_finds_no_candidate(st
         newer = boot(client, live, toolchain=other)
     assert same.compiled and same.loaded.key == key
     assert not newer.compiled and newer.loaded is None
-    assert newer.reason == "miss: no candidate for this declaration"
+    assert newer.reason.endswith("nearest differs in library transformers: 0.0.1 here, "
+                                 f"{toolchain.recorded.get('transformers')} recorded")
+
+
+# -- the structural gate's receipt check (issue 30, section 6) -------------------------------------------------------
+
+
+@pytest.fixture
+def fetched(monkeypatch) -> list[str]:
+    """The digests ``Client.fetch_blob`` is asked for (from the cache or the store), in order."""
+    calls: list[str] = []
+    original = Client.fetch_blob
+
+    def spy(self, repo, digest, *args, **kwargs):
+        calls.append(digest)
+        return original(self, repo, digest, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "fetch_blob", spy)
+    return calls
+
+
+def rewritten_claims(receipt: str) -> str:
+    """The receipt vouching for another publisher, its signature kept (what anyone can write into a cache file)."""
+    header, payload, signature = receipt.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    claims["publisher"] = "someone-else"
+    encoded = base64.urlsafe_b64encode(json.dumps(claims).encode()).rstrip(b"=").decode()
+    return f"{header}.{encoded}.{signature}"
+
+
+def rewrite_cached_receipts(cache_dir, change) -> int:
+    """Every candidate's receipt in the cached discover answers replaced by ``change(receipt)``; how many."""
+    changed = 0
+    for path in (cache_dir / "discover").glob("*.json"):
+        answer = json.loads(path.read_text())
+        for candidate in answer["candidates"]:
+            candidate["receipt"] = change(candidate["receipt"])
+            changed += 1
+        path.write_text(json.dumps(answer))
+    return changed
+
+
+def assert_refused_for_its_receipt(booted: Booted, key: str, fetched: list[str]) -> None:
+    assert not booted.compiled and booted.loaded is None
+    assert booted.reason.startswith(f"miss: no candidate could be served ({key}: receipt invalid: "), booted.reason
+    assert fetched == []  # refused before any blob was asked for
+
+
+@pytest.mark.parametrize("tamper", ["altered", "swapped"])
+def test_an_offline_boot_refuses_a_cached_candidate_whose_receipt_is_altered_or_another_records(
+    store, declared, pt2_archive, tmp_path, fetched, tamper
+):
+    """The cache is only a file: an offline boot verifies the cached candidate's receipt as an online one does."""
+    _, token, key, _ = declared
+    live = tiny_model(seed=3)
+    with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
+        assert boot(client, live).compiled  # warm: the answer, the record, the blobs and the JWKS cached
+    if tamper == "swapped":  # the same archive in another repo: the same key, another record with its own receipt
+        (tmp_path / "other").mkdir()
+        _, other_token, other_key, _ = publish_archive_a(store, pt2_archive, tmp_path / "other",
+                                                          code_fingerprint(tiny_model(0)))
+        assert other_key == key
+        with Client(store.base_url, other_token, cache_dir=tmp_path / "other" / "c") as other:
+            (hit,) = other.resolve(FAMILY, [key])
+        change = lambda receipt: hit["receipt"]  # noqa: E731
+    else:
+        change = rewritten_claims
+    assert rewrite_cached_receipts(tmp_path / "c", change) == 1
+    fetched.clear()
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    with Client(gone, token, cache_dir=tmp_path / "c", offline=True) as offline:
+        refused = boot(offline, live)
+        with pytest.raises(CompiledRequired, match="receipt invalid"):
+            boot(offline, live, mandatory=True)
+    assert_refused_for_its_receipt(refused, key, fetched)
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS)
+def test_an_online_boot_refuses_a_candidate_whose_receipt_a_retired_key_signed(
+    make_store, pt2_archive, tmp_path, fetched, configuration
+):
+    live_store = make_store(configuration)  # its own key ring: retiring its key touches no other test
+    repo, _, key, _ = publish_archive_a(live_store, pt2_archive, tmp_path, code_fingerprint(tiny_model(0)))
+    ring = live_store.context.tokens.keys
+    with live_store.context.db.session() as session:
+        signer, _ = ring.signing_key(session)
+    with live_store.context.db.session() as session:
+        ring.rotate(session)
+    # Retired without re-signing its receipts (``cgstore keys retire`` re-signs them): the store goes on
+    # answering a receipt only the retired key verifies, as a store that lost the re-signing would.
+    with live_store.context.db.session() as session:
+        assert ring.retire(session, signer)
+    token = live_store.mint("worker", f"{repo}:read")  # signed by the new key
+    live = tiny_model(seed=3)
+    with Client(live_store.base_url, token, cache_dir=tmp_path / "c") as client:
+        (candidate,) = client.discover(FAMILY, envelope=ENVELOPE, sm=environment_sm("cpu"),
+                                       toolchain=environment_toolchain(), release=RELEASE)
+        assert jwt.get_unverified_header(candidate.receipt)["kid"] == signer
+        assert signer not in [k["kid"] for k in client.keys(refresh=True)["keys"]]
+        refused = boot(client, live)
+        with pytest.raises(CompiledRequired, match="receipt invalid"):
+            boot(client, live, mandatory=True)
+    assert_refused_for_its_receipt(refused, key, fetched)

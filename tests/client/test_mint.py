@@ -223,3 +223,11 @@ def test_a_native_manifest_digest_is_keyed_and_validated() -> None:
 
 def test_the_archive_inspects_cleanly_after_minting(pt2_archive: Path, pt2_report: ArchiveReport) -> None:
     assert inspect(pt2_archive) == pt2_report
+
+
+def test_a_mint_results_repr_is_one_short_line(pt2_archive: Path, pt2_report: ArchiveReport) -> None:
+    from cgstore_client.mint import MintResult
+
+    shown = repr(MintResult(str(pt2_archive), "blake3:" + "a" * 64, 1234, pt2_report))
+    assert len(shown) < 400 and "\n" not in shown and pt2_report.graph_digest in shown
+    assert not any(row["fqn"] in shown for row in pt2_report.binding_table)

@@ -266,3 +266,49 @@ def test_a_malformed_manifest_is_400_never_500(store, tenant):
             assert response.status_code == 400 and error_code(response) == "BAD_REQUEST"
         broken = client.put(f"/v1/repos/acme/{name}/compiled-graphs/ck1-{'0' * 56}", content=b"{not json")
         assert broken.status_code == 400
+
+
+# -- a promise the graph cannot keep (issue 25 §4) ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("envelope", "axis", "said"),
+    [
+        ({"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1, 65]}, "batch_sizes",
+         "envelope batch_sizes declares 65, which the graph cannot take: input inputs_x dim 0 is s0 in [1, 64]"),
+    ],
+)
+def test_an_envelope_beyond_the_contract_is_refused_naming_the_axis(store, tenant, pt2_archive, constants_a,
+                                                                    envelope, axis, said):
+    from tests.support.archives import archive_report
+
+    name, token = tenant
+    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": constants_a}, envelope=envelope)
+    with store.client(token) as client:
+        refused = publish(client, "acme", name, pub)
+        assert client.get(pub.path("acme", name)).status_code == 404
+    body = refused.json()["error"]
+    assert (refused.status_code, body["code"], body["detail"]["axis"]) == (422, "ENVELOPE_INVALID", axis)
+    assert body["message"] == said
+
+
+def test_token_ids_fix_batch_and_text_len(store, tenant, pt2_archive_tied):
+    """The tied LM takes ids of batch 2 and 4 tokens (static): batch 1 or 5 tokens is refused, 2 and 4 admitted."""
+    from cgstore_client.mint import derived_constants_path
+
+    from tests.support.archives import archive_report
+
+    name, token = tenant
+    report = archive_report(pt2_archive_tied)
+    consts = {"consts": Path(derived_constants_path(pt2_archive_tied)).read_bytes()}
+    base = {"shapes": [[1, 1]], "text_len": 4, "batch_sizes": [2]}
+    cases = [({**base, "batch_sizes": [1, 2]}, "batch_sizes"), ({**base, "text_len": 5}, "text_len"), (base, None)]
+    with store.client(token) as client:
+        for envelope, axis in cases:
+            answer = publish(client, "acme", name, publication(pt2_archive_tied, report, components=consts,
+                                                               envelope=envelope))
+            if axis is None:
+                assert answer.status_code == 201, answer.text
+            else:
+                assert (answer.status_code, error_code(answer)) == (422, "ENVELOPE_INVALID"), envelope
+                assert answer.json()["error"]["detail"]["axis"] == axis and "input ids dim" in answer.text

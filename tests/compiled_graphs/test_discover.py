@@ -176,7 +176,8 @@ def test_newest_first_one_per_key_and_limited(store, pt2_archive, report_a, cons
 
     name = unique_repo()
     token = store.mint("minter", f"acme/{name}:read,write", f"acme/{name}-2:read,write")
-    envelope = unique_envelope()
+    # What both graphs can keep: the tied one takes token ids of batch 2 and 4 tokens, nothing else.
+    envelope = {**unique_envelope(), "batch_sizes": [2], "text_len": 4}
     older = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=envelope)
     tied_report = archive_report(pt2_archive_tied)
     newer = publication(pt2_archive_tied, tied_report, envelope=envelope, sm=report_a.sm,
@@ -203,6 +204,10 @@ def test_bad_inputs_are_4xx_with_codes(store, published):
         (declaration(pub, envelope=envelope), 422, "ENVELOPE_INVALID"),
         (declaration(pub, limit=0), 400, "BAD_REQUEST"),
         (declaration(pub, limit=MAX_DISCOVER_LIMIT + 1), 400, "BAD_REQUEST"),
+        # A JSON integer only: not read as 4 (or, for true, as 1).
+        (declaration(pub, limit="4"), 400, "BAD_REQUEST"),
+        (declaration(pub, limit=True), 400, "BAD_REQUEST"),
+        (declaration(pub, limit=4.0), 400, "BAD_REQUEST"),
         (declaration(pub, sm="SM_90"), 400, "KEY_MISMATCH"),
         (declaration(pub, toolchain={"components": {"triton": "3.6.0"}}), 400, "KEY_MISMATCH"),
         (declaration(pub, family="Not A Family"), 400, "NAME_INVALID"),
@@ -215,6 +220,7 @@ def test_bad_inputs_are_4xx_with_codes(store, published):
             response = discover(client, body)
             assert (response.status_code, error_code(response)) == (status, code), body
         assert client.post("/v1/compiled-graphs:discover", content=b"not json").status_code == 400
+        assert [c.key for c in candidates(discover(client, declaration(pub, limit=MAX_DISCOVER_LIMIT)))] == [pub.key]
     with store.client(None) as client:
         assert discover(client, declaration(pub)).status_code == 401
 

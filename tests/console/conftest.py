@@ -22,6 +22,15 @@ HOSTILE = "<script>alert(1)</script>\"'&"
 #: A yank reason: markup, quotes, and a non-ASCII letter the audit stores escaped (``\u043e``).
 HOSTILE_REASON = "<script>alert(2)</script> \"q\" 'q' r\u043eot <img src=x onerror=alert(3)>"
 
+#: What the free-form fields of :meth:`Registry.publish_hostile_in_the_private_cache`'s record hold: one
+#: marker each (as a key and as a value in the evidence), so that each field's escaping is checked.
+HOSTILE_FIELDS = {
+    "mint phases": "<script>alert('mint')</script>",
+    "kernel-lane evidence": "<img src=x onerror=alert('lane')>",
+    "layout": "<script>alert('layout')</script>",
+    "second publisher": "<img src=x onerror=alert('second')>",
+}
+
 CHROMIUM = Path("/usr/bin/chromium")
 #: Where the browser tests leave their screenshots (``.test-results`` is the suite's output directory).
 SCREENSHOTS = Path(__file__).resolve().parents[2] / ".test-results" / "console"
@@ -93,6 +102,21 @@ class Registry:
             assert publish(client, *self.repo.split("/"), pub).status_code == 201
         return pub
 
+    def publish_hostile_in_the_private_cache(self, store) -> Publication:
+        """A record whose every free-form field is hostile (:data:`HOSTILE_FIELDS`), published in ``private_repo``
+        by :data:`HOSTILE` and by a second hostile-named publisher: the record page shows both, "Published by"."""
+        lane, mint = HOSTILE_FIELDS["kernel-lane evidence"], HOSTILE_FIELDS["mint phases"]
+        pub = self.make(f"{self.family}-hostile", evidence={"kernel_lane_evidence": {lane: {"step_s": lane}},
+                                                            "mint_phases": {mint: mint}},
+                        layout={"display": HOSTILE_FIELDS["layout"], "topology": "blake3:" + "1" * 64,
+                                "quant": "blake3:" + "2" * 64})
+        second = store.mint(HOSTILE_FIELDS["second publisher"], f"{self.private_repo}:read,write")
+        for token in (self.hostile_token, second):
+            with store.client(token) as client:
+                answer = publish(client, *self.private_repo.split("/"), pub)
+                assert answer.status_code == 201, answer.text
+        return pub
+
     def yank_another_with_a_hostile_reason(self, store, admin: str) -> Publication:
         """:meth:`publish_another`, then yanked by ``admin`` with :data:`HOSTILE_REASON`."""
         target = self.publish_another(store)
@@ -114,10 +138,12 @@ def registry(store, pt2_archive) -> Registry:
     publisher = f"pub-{uuid.uuid4().hex[:6]}"
     plain = store.mint(publisher, f"acme/{name}:read,write")
     hostile = store.mint(HOSTILE, f"acme/{name}:read,write", f"acme/{private_name}:read,write,admin")
-    def make(family: str = family, *, own_component: bool = False) -> Publication:
-        """``own_component``: a component no other record binds (its header's metadata makes its bytes unique)."""
+    def make(family: str = family, *, own_component: bool = False, **manifest_fields) -> Publication:
+        """``own_component``: a component no other record binds (its header's metadata makes its bytes unique);
+        ``manifest_fields`` replace the manifest's (``evidence``, ``layout``...)."""
         own = {"consts": safetensors_bytes(CONSTANTS_A, {"nonce": uuid.uuid4().hex})} if own_component else components
-        return publication(pt2_archive, report, components=own, envelope=unique_envelope(), family=family)
+        return publication(pt2_archive, report, components=own, envelope=unique_envelope(), family=family,
+                           **manifest_fields)
 
     pubs = [make() for _ in range(3)]
     with store.client(plain) as client:

@@ -24,7 +24,7 @@ from sqlalchemy import update
 
 from cgstore.compiled_graphs.models import CompiledGraph
 from cgstore.console.router import COOKIE
-from tests.console.conftest import HOSTILE, HOSTILE_REASON, SCREENSHOTS
+from tests.console.conftest import HOSTILE, HOSTILE_FIELDS, HOSTILE_REASON, SCREENSHOTS
 
 pytestmark = pytest.mark.browser
 
@@ -327,6 +327,15 @@ def test_hostile_strings_render_as_text(tab, store, admin, registry):
 
     tab.go(f"/console/records/{registry.private_repo}/{registry.private.key}")
     assert f"{HOSTILE} (" in tab.page.locator("dl.facts").first.inner_text()  # the publisher
+    _assert_nothing_injected(tab)
+
+    hostile = registry.publish_hostile_in_the_private_cache(store)  # every free-form field of a record page
+    tab.go(f"/console/records/{registry.private_repo}/{hostile.key}")
+    shown = tab.page.locator("article.record").all_inner_texts()
+    assert len(shown) == 2  # one per publisher of the key
+    for field, marker in HOSTILE_FIELDS.items():
+        assert any(marker in text for text in shown), field
+    assert tab.page.get_by_role("heading", name=f"Published by {HOSTILE}").count() == 1
     _assert_nothing_injected(tab)
 
     tab.nav("Audit")

@@ -12,6 +12,7 @@ from urllib.parse import quote
 import blake3
 import httpx
 import pytest
+from markupsafe import escape
 
 from cgstore.audit.models import AuditEvent
 from cgstore.blobs.models import BLOB_MISSING, BLOB_OK
@@ -20,7 +21,7 @@ from cgstore.console.router import COOKIE, CSP
 from cgstore.console.service import Aggregates
 from cgstore.operations.health import set_blob_health
 from tests.audit.conftest import rows
-from tests.console.conftest import HOSTILE, HOSTILE_REASON, h1, next_link, sign_in
+from tests.console.conftest import HOSTILE, HOSTILE_FIELDS, HOSTILE_REASON, h1, next_link, sign_in
 
 PAGES = ("/console", "/console/records", "/console/audit", "/console/tokens", "/console/storage")
 NAV = ("Overview", "Records", "Audit", "Tokens", "Storage")
@@ -395,6 +396,20 @@ def test_hostile_strings_render_as_text(store, console, registry, admin):
     assert 'value="&lt;script&gt;alert(1)&lt;/script&gt;&#34;&#39;&amp;"' in pages[4].text  # the form's value
 
 
+def test_every_free_form_field_of_the_record_page_renders_as_text(store, console, registry):
+    """Evidence, kernel-lane evidence, the layout's display and each publisher of one key in a private cache
+    ("Published by ..."): each marker shown as text, none as markup (the template-wide property is
+    test_escaping.py's)."""
+    pub = registry.publish_hostile_in_the_private_cache(store)
+    page = console.get(_record_path(registry.private_repo, pub.key))
+    assert page.status_code == 200 and page.text.count("<h2>Published by ") == 2
+    assert "<script>alert" not in page.text and "<img src=x" not in page.text
+    for field, marker in HOSTILE_FIELDS.items():
+        assert str(escape(marker)) in page.text, field
+    for publisher in (HOSTILE, HOSTILE_FIELDS["second publisher"]):
+        assert f"<h2>Published by {escape(publisher)}" in page.text
+
+
 @pytest.mark.parametrize("path, params", [
     ("/console/records", {"health": "bogus"}),
     ("/console/records", {"repo": "not a repo"}),
@@ -403,6 +418,7 @@ def test_hostile_strings_render_as_text(store, console, registry, admin):
     ("/console/audit", {"since": "yesterday"}),
     ("/console/audit", {"cursor": "-1"}),
     ("/console/audit", {"limit": "100000"}),
+    ("/console/records", {"limit": "\u0967"}),  # DEVANAGARI DIGIT ONE: int() reads it as 1
     ("/console/tokens", {"cursor": "nosuchjti"}),
     ("/console/records", {"family": "x" * 2000}),
 ])

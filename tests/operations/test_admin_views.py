@@ -192,6 +192,22 @@ def test_cli_ls_marks_a_private_caches_records(store, pt2_archive, pt2_report):
     assert table.exit_code == 0 and f"acme/{name} (private)" in table.output
 
 
+def test_cli_ls_piped_prints_plain_columns_never_folded(store, scene):
+    """``cgstore ls | …`` (stdout not a terminal) on a narrow terminal: one row per line, tab-separated, whole keys."""
+    pubs = scene["pubs"]
+    env = {"CGSTORE_HOME": str(store.settings.home), "CGSTORE_DATABASE_URL": store.settings.resolved_database_url,
+           "COLUMNS": "40"}
+    listed = CliRunner().invoke(app, ["ls", "--family", scene["families"][0]], env=env)
+    assert listed.exit_code == 0, listed.output
+    header, *rows = listed.output.splitlines()
+    assert header.split("\t") == ["repo", "key", "family", "sm", "lane", "health", "drift", "publisher",
+                                   "created (UTC)"]
+    assert [row.split("\t")[1] for row in rows] == [pubs[1].key, pubs[0].key]
+    assert all(len(row.split("\t")) == 9 for row in rows)
+    stats = CliRunner().invoke(app, ["stats"], env=env).output.splitlines()
+    assert "# storage" in stats and "blobs\tstored bytes\treferenced bytes\tlogical bytes\tdedup" in stats
+
+
 def test_cli_show_prints_the_record(store, scene):
     pub = scene["pubs"][2]
     result = _cli(store, "show", pub.key, "--json")

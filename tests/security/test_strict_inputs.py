@@ -154,3 +154,25 @@ def test_an_unexpected_failure_answers_json_internal_and_is_counted(store, admin
         assert response.json() == {"error": {"code": "INTERNAL", "message": "internal error", "detail": {}}}
         assert "secret" not in response.text
         assert _internal_errors(store) == before + 1
+
+
+#: Spellings pydantic reads as 4 (or 40) that are no plain ASCII decimal.
+NOT_ASCII_DIGITS = ["+4", " 4", "4_0", "4.0"]
+
+
+@pytest.mark.parametrize("value", NOT_ASCII_DIGITS, ids=["plus", "space", "underscore", "float"])
+def test_a_query_integer_is_ascii_digits_only(store, repo, admin, value):
+    """Every integer query parameter of the API (``limit`` of three listings, preflight's ``min_ttl_s``)."""
+    name, token = repo
+    with store.client(admin) as client:
+        refused = [client.get("/v1/tokens", params={"limit": value}),
+                   client.get("/v1/audit", params={"limit": value})]
+        assert client.get("/v1/tokens", params={"limit": "4"}).status_code == 200
+        assert client.get("/v1/audit", params={"limit": "4"}).status_code == 200
+    with store.client(token) as client:
+        refused += [client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"limit": value}),
+                    client.post(f"/v1/repos/acme/{name}/preflight", params={"min_ttl_s": value})]
+        assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"limit": "4"}).status_code == 200
+        assert client.post(f"/v1/repos/acme/{name}/preflight", params={"min_ttl_s": "60"}).status_code == 204
+    for response in refused:
+        _refused(response)

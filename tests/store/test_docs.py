@@ -60,3 +60,19 @@ def test_the_readme_is_an_entry_page_linking_every_reader_page():
     assert len(readme.splitlines()) <= 250
     linked = set(_LINK.findall(readme))
     assert {f"docs/{page.name}" for page in (REPO_ROOT / "docs").glob("*.md")} <= linked
+
+
+def test_the_readme_says_how_to_get_the_worker_side_and_what_make_test_needs():
+    """``make install-worker`` pins the CPU torch (never PyPI's CUDA build); the README says what ``make test`` needs."""
+    import subprocess
+
+    dry = subprocess.run(["make", "-n", "install-worker", "VENV=/nonexistent/venv"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    torch_installs = [line for line in dry if "torch" in line and "pip install" in line]
+    assert any("--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in line for line in torch_installs)
+    assert all("--index-url" in line or "client[torch]" in line for line in torch_installs)
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "make install-worker" in readme
+    tests = readme[readme.index("## Tests"):readme.index("## Walk-through")]
+    for needed in ("PostgreSQL", "root", "torch==2.13.0", "17 minutes"):
+        assert needed in tests, needed

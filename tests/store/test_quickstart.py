@@ -47,8 +47,24 @@ def test_the_readme_quick_start_runs_as_written(embedded_server):
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "identical"
-    assert (workdir / "back.pt2").read_bytes() == (workdir / "model.pt2").read_bytes()
+    assert done.stdout.splitlines() == ["201", "identical"]  # the status the comment promises, shown
+    assert not list(workdir.glob("*.pt2"))  # the blobs went to a temporary directory, not the checkout
+    assert f"cgstore: using CGSTORE_HOME={(workdir / 'home').resolve()}" in done.stderr
+
+
+def test_a_token_minted_under_another_home_is_refused_with_a_hint(embedded_server, tmp_path):
+    """The CLI run from another directory makes another .cgstore: it says so, and the store's refusal points at it."""
+    base_url, env, _ = embedded_server
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    stray_env = {k: v for k, v in env.items() if k != "CGSTORE_HOME"}
+    minted = subprocess.run([*CGSTORE, "token", "mint", "--sub", "alice", "--grant", "acme/*:read"],
+                            env=stray_env, cwd=elsewhere, capture_output=True, text=True, check=True)
+    assert f"CGSTORE_HOME={(elsewhere / '.cgstore').resolve()} (new here" in minted.stderr
+    refused = httpx.get(f"{base_url}/v1/repos/acme/models/compiled-graphs",
+                        headers={"Authorization": f"Bearer {minted.stdout.strip()}"})
+    assert refused.status_code == 401
+    assert "unknown key" in refused.text and "another CGSTORE_HOME" in refused.text
 
 
 def test_quick_start_with_curl(embedded_server):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_serializer
 
 from cgstore_client.wire.records import MAX_REASON_CHARS, MAX_RELEASE_CHARS, ResolveHit, ToolchainAxis, _Wire
 
@@ -40,7 +40,11 @@ class DiscoverRequest(_Wire):
     binding_signature: str | None = Field(None, max_length=100)
     #: ``cf1:…`` of the model's source: narrows to records minted from the same code, when they recorded one.
     code: str | None = Field(None, max_length=100)
-    limit: int = Field(DEFAULT_DISCOVER_LIMIT, ge=1, le=MAX_DISCOVER_LIMIT)
+    #: A JSON integer: ``"4"``, ``true`` and ``4.0`` are refused, not read as 4 (or 1).
+    limit: int = Field(DEFAULT_DISCOVER_LIMIT, ge=1, le=MAX_DISCOVER_LIMIT, strict=True)
+    #: On a miss, say why (``DiscoverAnswer.miss``). Asked for, so an answer without it stays what
+    #: clients from before the field parse.
+    explain: bool = Field(False, strict=True)
 
 
 class Candidate(ResolveHit):
@@ -50,10 +54,62 @@ class Candidate(ResolveHit):
     release: str | None = None
 
 
+class AxisDifference(_Wire):
+    """One axis on which the nearest readable record differs from the declaration.
+
+    ``axis``: ``envelope`` (``name`` the field), ``sm``, ``toolchain`` (``name``
+    the keyed component), ``library`` (``name`` a recorded model-library
+    version), ``release``, ``binding_signature`` or ``code``. ``here`` is the
+    declaration's value, ``recorded`` the record's (None: absent).
+    """
+
+    axis: str
+    name: str | None = None
+    here: Any = None
+    recorded: Any = None
+
+
+class NearestRecord(_Wire):
+    """The readable live record of the family closest to the declaration (fewest differing axes)."""
+
+    key: str
+    repo: str
+    differences: list[AxisDifference]
+
+
+class MissExplanation(_Wire):
+    """Why nothing matched, from the records the caller may read only (never another principal's).
+
+    ``records``: live records of the family in the repos searched (``at_least``
+    when the store looked at its bound only); ``repos``: where they are;
+    ``similar_families``: when there are none, readable families spelled
+    nearly alike; ``detail``: all of it in one sentence.
+    """
+
+    detail: str
+    records: int
+    at_least: bool = False
+    repos: list[str] = Field(default_factory=list)
+    nearest: NearestRecord | None = None
+    similar_families: list[str] = Field(default_factory=list)
+
+
 class DiscoverAnswer(_Wire):
-    """Best first (``root/*``, then the caller's own, newest first); empty when nothing matches or is readable."""
+    """Best first (``root/*``, then the caller's own, newest first); empty when nothing matches or is readable.
+
+    ``miss``: only when the request asked (``explain``) and nothing matched.
+    """
 
     candidates: list[Candidate]
+    miss: MissExplanation | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_miss(self, handler):
+        # Absent, not null: clients from before the field refuse unknown fields.
+        document = handler(self)
+        if document.get("miss") is None:
+            document.pop("miss", None)
+        return document
 
 
 class DriftReport(_Wire):

@@ -1,17 +1,20 @@
 """``cgstore ls``, ``cgstore show KEY``, ``cgstore stats``: the admin views for an operator on the store's host.
 
 Like ``cgstore audit`` they read ``CGSTORE_DATABASE_URL`` directly, so they
-keep working while the HTTP side is down. Tables for people (rich, markup off:
-stored strings are shown as they are, never interpreted), and with ``--json``
-one JSON object per line — the wire types of ``cgstore_client.wire.admin``
+keep working while the HTTP side is down. Tables for people on a terminal
+(rich, markup off: stored strings are shown as they are, never interpreted);
+piped, plain tab-separated columns (a header line, ``# title`` lines, one row
+per line, never folded to a terminal width); and with ``--json`` one JSON object per line — the wire types of ``cgstore_client.wire.admin``
 and ``wire.records``, the same objects ``GET /v1/admin/stats`` answers.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Annotated
 
 import typer
@@ -43,13 +46,46 @@ def _console() -> Console:
     return Console(markup=False, highlight=False)
 
 
-def _table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> Table:
-    table = Table(title=title, box=None, pad_edge=False, title_justify="left")
-    for column in columns:
+@dataclass(frozen=True)
+class _Grid:
+    """A titled table's columns and rows, printed by :func:`_print` for a terminal or a pipe."""
+
+    title: str | None
+    columns: Sequence[str]
+    rows: list[Sequence[str]]
+
+
+def _table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> _Grid:
+    return _Grid(title, columns, [list(row) for row in rows])
+
+
+def _print(*grids: _Grid) -> None:
+    """Rich tables on a terminal; piped (``cgstore ls | …``), plain tab-separated lines: rich would fold every
+    cell to 80 columns."""
+    if sys.stdout.isatty():
+        console = _console()
+        for grid in grids:
+            console.print(_rich(grid))
+        return
+    for grid in grids:
+        if grid.title:
+            typer.echo(f"# {_plain(grid.title)}")
+        for row in (grid.columns, *grid.rows):
+            typer.echo("\t".join(_plain(cell) for cell in row))
+
+
+def _rich(grid: _Grid) -> Table:
+    table = Table(title=grid.title, box=None, pad_edge=False, title_justify="left")
+    for column in grid.columns:
         table.add_column(column, overflow="fold")
-    for row in rows:
+    for row in grid.rows:
         table.add_row(*row)
     return table
+
+
+def _plain(cell: str) -> str:
+    # One line per row, one tab per column: a stored string cannot add either.
+    return cell.replace("\t", " ").replace("\n", " ").replace("\r", " ")
 
 
 def _when(moment: dt.datetime) -> str:
@@ -70,10 +106,10 @@ def ls(
     elif not summaries:
         typer.echo("no matching records")
     else:
-        _console().print(_summary_table(None, summaries))
+        _print(_summary_table(None, summaries))
 
 
-def _summary_table(title: str | None, summaries: Sequence[RecordSummary]) -> Table:
+def _summary_table(title: str | None, summaries: Sequence[RecordSummary]) -> _Grid:
     return _table(
         title, ("repo", "key", "family", "sm", "lane", "health", "drift", "publisher", "created (UTC)"),
         ((_repo_cell(s), s.key, s.family, s.sm, s.lane, s.health, str(s.drift_reports), s.publisher,
@@ -99,11 +135,10 @@ def show(
     if json_lines:
         _echo_json(records)
         return
-    for record in records:
-        _console().print(_record_table(record))
+    _print(*(_record_table(record) for record in records))
 
 
-def _record_table(record: Record) -> Table:
+def _record_table(record: Record) -> _Grid:
     manifest = record.manifest
     rows = [
         ("repo", record.repo), ("key", record.key), ("health", record.health),
@@ -129,23 +164,24 @@ def stats(json_lines: JsonFlag = False) -> None:
 
 
 def _print_stats(facts: AdminStats) -> None:
-    console = _console()
-    console.print(_table(f"{facts.live_records} live records", ("family", "sm", "lane", "records"),
-                         ((c.family, c.sm, c.lane, str(c.records)) for c in facts.records)))
     storage = facts.storage
     ratio = "-" if storage.dedup_ratio is None else f"{storage.dedup_ratio:.2f}x"
-    console.print(_table("storage", ("blobs", "stored bytes", "referenced bytes", "logical bytes", "dedup"), [
-        (str(storage.blobs), str(storage.stored_bytes), str(storage.referenced_bytes),
-         str(storage.logical_bytes), ratio)]))
-    console.print(_table("top publishers", ("publisher", "records"),
-                         ((p.publisher, str(p.records)) for p in facts.top_publishers)))
-    console.print(_entries_table("recent conflicts", facts.recent_conflicts))
-    console.print(_entries_table("recent denials", facts.recent_denials))
-    console.print(_summary_table(f"unhealthy records ({len(facts.unhealthy)} newest)", facts.unhealthy))
-    console.print(_summary_table(f"drift reports: {facts.drift_reports} (most reported records)", facts.drifting))
+    _print(
+        _table(f"{facts.live_records} live records", ("family", "sm", "lane", "records"),
+               ((c.family, c.sm, c.lane, str(c.records)) for c in facts.records)),
+        _table("storage", ("blobs", "stored bytes", "referenced bytes", "logical bytes", "dedup"), [
+            (str(storage.blobs), str(storage.stored_bytes), str(storage.referenced_bytes),
+             str(storage.logical_bytes), ratio)]),
+        _table("top publishers", ("publisher", "records"),
+               ((p.publisher, str(p.records)) for p in facts.top_publishers)),
+        _entries_table("recent conflicts", facts.recent_conflicts),
+        _entries_table("recent denials", facts.recent_denials),
+        _summary_table(f"unhealthy records ({len(facts.unhealthy)} newest)", facts.unhealthy),
+        _summary_table(f"drift reports: {facts.drift_reports} (most reported records)", facts.drifting),
+    )
 
 
-def _entries_table(title: str, entries: Sequence[AuditEntry]) -> Table:
+def _entries_table(title: str, entries: Sequence[AuditEntry]) -> _Grid:
     return _table(title, ("at (UTC)", "actor", "action", "target", "outcome"),
                   ((_when(e.at), e.actor, e.action, e.target, e.outcome) for e in entries))
 

@@ -13,7 +13,11 @@ first; ``--follow`` then keeps polling for newer ones until interrupted.
 ``cgstore audit verify`` recomputes the digest chain and checks every signed
 checkpoint (``audit.chain``): exit 0 with a summary line, or 1 naming the
 first broken entry. ``cgstore audit checkpoint`` signs the chain head now
-(the server does it every ``CGSTORE_AUDIT_CHECKPOINT_INTERVAL_S``).
+(the server does it every ``CGSTORE_AUDIT_CHECKPOINT_INTERVAL_S``); with
+``--save FILE`` it also writes the newest checkpoint there, to be kept outside
+the database, and ``verify --since-checkpoint FILE`` later fails unless the
+log still extends it (a transparency log's consistency check: the tail cannot
+be cut back behind a checkpoint someone kept).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
+import jwt
 import typer
 from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
 from rich.console import Console
@@ -107,13 +112,19 @@ def verify(
         exists=True, dir_okay=False,
         help="Trust only this JWKS (GET /v1/keys, kept outside the database) for checkpoints, not the key table.",
     )] = None,
+    since_checkpoint: Annotated[Path | None, typer.Option(
+        "--since-checkpoint", exists=True, dir_okay=False,
+        help="A checkpoint saved earlier (checkpoint --save): fail unless today's log extends it.",
+    )] = None,
 ) -> None:
     """Recompute the audit chain and check its signed checkpoints; exit 1 naming the first broken entry."""
-    trusted = {} if keys is None else {"public_keys": chain.jwks_public_keys(_read_jwks(keys))}
+    pinned = None if keys is None else _read_jwks(keys)
+    trusted = {} if pinned is None else {"public_keys": chain.jwks_public_keys(pinned)}
+    saved = None if since_checkpoint is None else _read_saved(since_checkpoint, pinned)
     db = _database()
     try:
         with db.session() as session:
-            report = chain.verify(session, since=since, **trusted)
+            report = chain.verify(session, since=since, saved=saved, **trusted)
     finally:
         db.dispose()
     typer.echo(report.summary(), err=report.broken is not None)
@@ -121,29 +132,73 @@ def verify(
         raise typer.Exit(1)
 
 
-def _read_jwks(path: Path) -> dict:
+def _read_json(path: Path, option: str) -> object:
     try:
-        jwks = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise typer.BadParameter(f"{path}: not a readable JWKS ({err})", param_hint="--keys") from None
+        raise typer.BadParameter(f"{path}: not readable JSON ({err})", param_hint=option) from None
+
+
+def _read_jwks(path: Path) -> dict:
+    jwks = _read_json(path, "--keys")
     if not isinstance(jwks, dict) or not isinstance(jwks.get("keys"), list):
         raise typer.BadParameter(f'{path}: not a JWKS (an object with a "keys" list)', param_hint="--keys")
+    try:
+        chain.jwks_keys(jwks)
+    except (jwt.PyJWTError, TypeError, AttributeError) as err:
+        raise typer.BadParameter(f"{path}: a key is not an Ed25519 JWK ({err})", param_hint="--keys") from None
     return jwks
 
 
-def checkpoint() -> None:
-    """Sign the audit chain's head now with the key ring's current key."""
+def _read_saved(path: Path, pinned: dict | None) -> chain.SavedCheckpoint:
+    """The saved checkpoint, its signature checked against ``--keys`` when given, else against the file's JWK."""
+    try:
+        return chain.load_saved(_read_json(path, "--since-checkpoint"),
+                                None if pinned is None else chain.jwks_keys(pinned))
+    except chain.SavedCheckpointError as err:
+        raise typer.BadParameter(f"{path}: {err}", param_hint="--since-checkpoint") from None
+
+
+def checkpoint(
+    save: Annotated[Path | None, typer.Option(
+        dir_okay=False, help="Also write the newest signed checkpoint to this file (verify --since-checkpoint).",
+    )] = None,
+    keys: Annotated[Path | None, typer.Option(
+        exists=True, dir_okay=False, help="With --save: the checkpoint must verify against this JWKS, not the key table.",
+    )] = None,
+) -> None:
+    """Sign the audit chain's head now with the key ring's current key (and save the newest checkpoint)."""
     from cgstore.settings import Settings
     from cgstore.tokens.keys import KeyRing
 
     settings = Settings()
+    trusted = {} if keys is None else {"public_keys": chain.jwks_public_keys(_read_jwks(keys))}
     db = _database()
     try:
         with db.session() as session:
             signed = chain.checkpoint(session, KeyRing(db, settings), issuer=settings.token_issuer)
+        typer.echo(f"signed entry {signed.audit_id} ({signed.digest})" if signed else "nothing new to sign")
+        if save is not None:
+            _save(db, save, trusted)
     finally:
         db.dispose()
-    typer.echo(f"signed entry {signed.audit_id} ({signed.digest})" if signed else "nothing new to sign")
+
+
+def _save(db: Database, path: Path, trusted: dict) -> None:
+    """Write the newest checkpoint to ``path`` (via a temporary file, so a reader never sees half of it)."""
+    try:
+        with db.session() as session:
+            document = chain.saved_document(session, **trusted)
+    except chain.SavedCheckpointError as err:
+        typer.echo(f"not saved: {err}", err=True)
+        raise typer.Exit(1) from None
+    if document is None:
+        typer.echo("not saved: no checkpoint signed yet (nothing is chained)", err=True)
+        raise typer.Exit(1)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(document, indent=2) + "\n")
+    partial.replace(path)
+    typer.echo(f"saved the checkpoint of entry {document['audit_id']} to {path}")
 
 
 def _database() -> Database:

@@ -85,6 +85,8 @@ class AuditHead(Base):
     Appends update it first, so on PostgreSQL they queue on its row lock (and
     on SQLite on the database's write lock): the next id and the previous
     digest are read by one writer at a time, and id order is chain order.
+    ``start_id`` is the chain's first entry (migration 0016; 1 for a log chained
+    from its first entry): it never changes, and every checkpoint signs it.
     """
 
     __tablename__ = "audit_head"
@@ -92,6 +94,7 @@ class AuditHead(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     last_id: Mapped[int] = mapped_column(BigInteger, nullable=False)
     digest: Mapped[str] = mapped_column(String(DIGEST_LEN), nullable=False)
+    start_id: Mapped[int] = mapped_column(BigInteger, nullable=False, default=1, server_default=text("1"))
 
 
 class AuditCheckpoint(Base):
@@ -99,6 +102,8 @@ class AuditCheckpoint(Base):
 
     ``statement`` is a compact JWS (EdDSA, the key ring that signs tokens and
     receipts, so ``GET /v1/keys`` verifies it) whose claims repeat the columns.
+    ``start_id`` is the chain's first entry as signed (claim ``start``); ``None``
+    for checkpoints signed before migration 0016, which did not sign it.
     """
 
     __tablename__ = "audit_checkpoints"
@@ -108,3 +113,4 @@ class AuditCheckpoint(Base):
     at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
     kid: Mapped[str] = mapped_column(String(16), nullable=False)
     statement: Mapped[str] = mapped_column(Text, nullable=False)
+    start_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)

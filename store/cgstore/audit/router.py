@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from cgstore.audit import service
 from cgstore.context import StoreContext, get_context
-from cgstore.core.http import parse_utc
+from cgstore.core.http import QueryInt, parse_utc
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 
@@ -32,7 +32,7 @@ async def list_audit(
     since: dt.datetime | None = None,
     until: dt.datetime | None = None,
     cursor: Annotated[str | None, Query(max_length=32)] = None,
-    limit: Annotated[int, Query(ge=1, le=MAX_AUDIT_PAGE)] = service.DEFAULT_PAGE,
+    limit: Annotated[QueryInt, Query(ge=1, le=MAX_AUDIT_PAGE)] = service.DEFAULT_PAGE,
     order: Literal["asc", "desc"] = "asc",
     claims: Claims = Depends(require_claims),
     ctx: StoreContext = Depends(get_context),

@@ -21,8 +21,9 @@ Order (the first failing step answers):
 5. the archive, read statically from a spooled temp file: structure, limits,
    paths, weight- and pickle-freedom (``ARTIFACT_INVALID``), metadata
    (``METADATA_INVALID``), then the measured graph digest (``GRAPH_MISMATCH``),
-   the derived input contract (``CONTRACT_MISMATCH``) and the device facts
-   against ``sm`` (``SM_MISMATCH``);
+   the derived input contract (``CONTRACT_MISMATCH``), the device facts
+   against ``sm`` (``SM_MISMATCH``) and the envelope against the contract's
+   dims (``ENVELOPE_INVALID`` naming the axis: a promise the graph cannot keep);
 6. components' safetensors headers against the program's constants
    (``CONTRACT_MISMATCH`` naming the tensor), and the binding policy: every
    constant comes from the checkpoint or a component (``ARTIFACT_INVALID``
@@ -246,6 +247,67 @@ def check_archive(report: ArchiveReport, manifest: Manifest) -> None:
             f"the archive was compiled for {report.sm!r}, the manifest says {manifest.axes.sm!r}",
             measured=report.sm, claimed=manifest.axes.sm,
         )
+    check_envelope_fits(Envelope.from_dict(manifest.axes.envelope), report.input_contract)
+
+
+# -- the envelope against the input contract --------------------------------------------------
+#
+# The envelope is a promise (the region the record serves), the contract the fact read off the
+# archive. Which dim of which input an envelope axis speaks for is a convention, written once here
+# and in docs/client.md ("Declaring the serving region"); an input the convention does not cover
+# is never a reason to refuse:
+#   batch_sizes  dim 0 of every input of rank >= 2 (a rank-1 input, a timestep or a bias, has no batch);
+#   text_len     (when > 0) dim 1 of every integer input of rank >= 2: token ids and masks, (batch, sequence);
+#   shapes       (width, height) against dims 3 and 2 of every floating input of rank 4 (N, C, H, W),
+#                in pixels or in latents (/ LATENT_SCALE).
+
+LATENT_SCALE = 8
+_INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"})
+
+
+def check_envelope_fits(envelope: Envelope, contract: Mapping[str, Any]) -> None:
+    """Refuse (``ENVELOPE_INVALID``, naming the axis) an envelope declaring what the contract's dims exclude."""
+    dims = contract.get("dims") or {}
+    for spec in contract.get("inputs") or []:
+        shape, name, dtype = list(spec.get("shape") or []), spec.get("name"), spec.get("dtype")
+        if len(shape) >= 2:
+            for size in envelope.batch_sizes:
+                _refuse_unless(_fits(shape[0], size, dims), "batch_sizes", size, name, 0, shape[0], dims)
+        if envelope.text_len > 0 and dtype in _INTEGER_DTYPES and len(shape) >= 2:
+            _refuse_unless(_fits(shape[1], envelope.text_len, dims), "text_len", envelope.text_len, name, 1,
+                           shape[1], dims)
+        if dtype in _FLOAT_DTYPES and len(shape) == 4:
+            for width, height in envelope.shapes:
+                fits = any(_fits(shape[2], height / scale, dims) and _fits(shape[3], width / scale, dims)
+                           for scale in (1, LATENT_SCALE))
+                _refuse_unless(fits, "shapes", [width, height], name, "2:4", shape[2:], dims)
+
+
+def _fits(dim: Any, value: float, dims: Mapping[str, Any]) -> bool:
+    """Can this dim take ``value``: a static size equal to it, or a declared range holding it (else unknown: yes)."""
+    if isinstance(dim, bool):
+        return True
+    if isinstance(dim, int):
+        return dim == value
+    bounds = dims.get(dim) if isinstance(dim, str) else None
+    if not isinstance(bounds, Mapping):
+        return True  # an expression or a symbol without a declared range: nothing to hold the promise against
+    if value != int(value):
+        return False
+    low, high = bounds.get("min"), bounds.get("max")
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
+def _refuse_unless(fits: bool, axis: str, declared: Any, name: str, at: Any, dim: Any, dims: Mapping[str, Any]) -> None:
+    if fits:
+        return
+    bounds = dims.get(dim) if isinstance(dim, str) else None
+    held = f"{dim} in [{bounds.get('min')}, {bounds.get('max')}]" if isinstance(bounds, Mapping) else f"{dim}"
+    raise EnvelopeInvalid(
+        f"envelope {axis} declares {declared}, which the graph cannot take: input {name} dim {at} is {held}",
+        axis=axis, declared=declared, input=name, dim=dim if not isinstance(dim, list) else list(dim),
+    )
 
 
 # -- step 6: components and bindings ---------------------------------------------------------

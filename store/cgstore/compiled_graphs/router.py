@@ -7,6 +7,8 @@ what the client parses.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -27,7 +29,8 @@ from cgstore_client.wire.records import (
 from cgstore.compiled_graphs import service
 from cgstore.context import StoreContext, get_context
 from cgstore.core.cursors import CURSOR_LEN
-from cgstore.core.http import error_doc, json_body, read_json
+from cgstore.core.http import QueryInt, error_doc, json_body, read_json
+from cgstore.core.urls import public_location
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 
@@ -75,7 +78,7 @@ async def list_records(
     lane: str | None = Query(None, max_length=64),
     release: str | None = Query(None, max_length=MAX_RELEASE_CHARS),
     cursor: str | None = Query(None, max_length=CURSOR_LEN),
-    limit: int = Query(DEFAULT_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
+    limit: Annotated[QueryInt, Query(ge=1, le=MAX_LIST_LIMIT)] = DEFAULT_LIST_LIMIT,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """The repo's live records, newest first, paged."""
@@ -115,12 +118,13 @@ async def resolve(
 ) -> Response:
     """Look up ck1 keys of a family: the best readable live record of each, or a miss."""
     query = await read_json(request, ResolveRequest, ctx.settings.max_json_bytes)
-    urls_for = _url_builder(ctx, str(request.base_url).rstrip("/"))
+    urls_for = _url_builder(ctx)
     return Response(await run_in_threadpool(service.resolve, ctx, claims, query, urls_for), media_type=_JSON)
 
 
-def _url_builder(ctx: StoreContext, base_url: str) -> service.UrlsFor:
-    """Presigned storage URLs when the backend redirects downloads, else the store's own blob URL."""
+def _url_builder(ctx: StoreContext) -> service.UrlsFor:
+    """Presigned storage URLs when the backend redirects downloads, else the store's own blob URL (under
+    ``CGSTORE_PUBLIC_URL``, or a path relative to the store: never built from the request's ``Host``)."""
     if ctx.settings.redirect_downloads and ctx.storage.supports_presign:
         ttl = ctx.settings.presign_ttl_s
 
@@ -129,7 +133,9 @@ def _url_builder(ctx: StoreContext, base_url: str) -> service.UrlsFor:
             return {ref: by_digest[ref[2]] for ref in refs}
 
         return presigned
-    return lambda refs: {ref: f"{base_url}/v1/repos/{ref[0]}/{ref[1]}/blobs/{ref[2]}" for ref in refs}
+    public_url = ctx.settings.public_url
+    return lambda refs: {ref: public_location(public_url, f"/v1/repos/{ref[0]}/{ref[1]}/blobs/{ref[2]}")
+                         for ref in refs}
 
 
 @resolve_router.post(
@@ -141,5 +147,5 @@ async def discover(
 ) -> Response:
     """Find live records by declaration (family, envelope, sm, toolchain), without a ck1 key: best first."""
     query = await read_json(request, DiscoverRequest, ctx.settings.max_json_bytes)
-    urls_for = _url_builder(ctx, str(request.base_url).rstrip("/"))
+    urls_for = _url_builder(ctx)
     return Response(await run_in_threadpool(service.discover, ctx, claims, query, urls_for), media_type=_JSON)

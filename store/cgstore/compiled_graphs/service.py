@@ -23,9 +23,11 @@ yanked, unhealthy or unreadable key.
 
 Discover (issue 16) is resolve by declaration instead of by key: the records
 whose ``discovery_digest`` (stored at publish) is the declaration's, through
-the same plan, visibility and ranking, the first ``limit`` chosen in SQL. A
-drift report counts a worker's disagreement on a readable record and audits
-it, rate-limited per principal and per record over the audit log.
+the same plan, visibility and ranking, the first ``limit`` chosen in SQL; a
+miss asked to explain itself is explained by ``explain.py`` from readable
+records only. A drift report counts a worker's disagreement on a readable
+record and audits it, rate-limited per principal and per record over the audit
+log.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from cgstore.audit.service import DETAIL_STRING_LEN, clean
 from cgstore.audit.service import record as audit
 from cgstore.blobs.models import Blob
 from cgstore.blobs.service import held_blobs, hold_blobs
-from cgstore.compiled_graphs import admission, receipts
+from cgstore.compiled_graphs import admission, explain, receipts
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
 from cgstore.core.cursors import CURSOR_LEN
@@ -730,11 +732,15 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
                 (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release), limit=request.limit,
             )).all()
         components = _component_rows(session, [row.id for row in chosen])
+        miss = explain.explain_miss(session, claims, request, derived) if request.explain and not chosen else None
     repos = {repo.id: repo for repo in searched}
     urls = urls_for(_blob_refs(chosen, repos, components))
     found = [{**_answer(row.key, row, repos, components, urls), "binding_signature": row.binding_signature,
               "release": row.release} for row in chosen]
-    return to_json({"candidates": found})  # built in ``DiscoverAnswer``'s field order, as resolve's answer is
+    answer: dict[str, Any] = {"candidates": found}  # built in ``DiscoverAnswer``'s field order, as resolve's is
+    if miss is not None:
+        answer["miss"] = miss.model_dump(mode="json")
+    return to_json(answer)
 
 
 def _discover_match(request: DiscoverRequest, digest: str) -> tuple:

@@ -25,7 +25,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -39,6 +39,7 @@ from cgstore.audit.service import AuditFilter
 from cgstore.console import service
 from cgstore.context import StoreContext, get_context
 from cgstore.core.errors import BadRequest, Denied, StoreError, TokenInvalid, Unauthorized
+from cgstore.core.urls import public_location
 from cgstore.tokens.claims import Claims
 
 PREFIX = "/console"
@@ -64,7 +65,7 @@ SECURITY_HEADERS = {
 _RAW_HEADERS = [(name.encode(), value.encode()) for name, value in SECURITY_HEADERS.items()]
 
 _HERE = Path(__file__).parent
-_TEMPLATES = Environment(
+TEMPLATES = Environment(
     loader=FileSystemLoader(_HERE / "templates"), autoescape=select_autoescape(default=True),
     undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True,
 )
@@ -106,7 +107,7 @@ def _bytes(size: int) -> str:
     return f"{value:.1f} {unit}"
 
 
-_TEMPLATES.filters.update(pretty=_pretty, plain=_plain, bytes=_bytes)
+TEMPLATES.filters.update(pretty=_pretty, plain=_plain, bytes=_bytes)
 NAV = (("Overview", PREFIX), ("Records", f"{PREFIX}/records"), ("Audit", f"{PREFIX}/audit"),
        ("Tokens", f"{PREFIX}/tokens"), ("Storage", f"{PREFIX}/storage"))
 
@@ -140,7 +141,7 @@ def _render(template: str, status: int = 200, **context: Any) -> HTMLResponse:
     context.setdefault("claims", None)
     context.setdefault("error", None)
     context.setdefault("next_url", None)
-    html = _TEMPLATES.get_template(template).render(nav=NAV, **context)
+    html = TEMPLATES.get_template(template).render(nav=NAV, **context)
     return HTMLResponse(html, status_code=status)
 
 
@@ -162,8 +163,13 @@ def _clear_cookie(response: Response, request: Request) -> Response:
     return response
 
 
+def _see_other(request: Request, path: str) -> RedirectResponse:
+    """A 303 to one of the console's paths, under the public URL or relative (never from the ``Host`` header)."""
+    return RedirectResponse(public_location(request.app.state.context.settings.public_url, path), status_code=303)
+
+
 def _to_login(request: Request, *, clear: bool) -> Response:
-    response = RedirectResponse(LOGIN, status_code=303)
+    response = _see_other(request, LOGIN)
     return _clear_cookie(response, request) if clear else response
 
 
@@ -260,16 +266,25 @@ async def _page(
 def _cross_origin(request: Request) -> bool:
     """Whether the POST comes from a page of another origin.
 
-    ``Origin``, when it names one, must be the store's own. Under ``Referrer-Policy:
-    no-referrer`` a browser sends ``Origin: null`` even for its own forms, so then the
-    browser's ``Sec-Fetch-Site`` decides (``same-origin``); a client sending neither
-    header is no browser another site could have steered.
+    ``Origin``, when it names one, must be the store's own: the one the request was sent
+    to, or ``CGSTORE_PUBLIC_URL``'s (behind a proxy that forwards another ``Host``). Under
+    ``Referrer-Policy: no-referrer`` a browser sends ``Origin: null`` even for its own forms,
+    so then the browser's ``Sec-Fetch-Site`` decides (``same-origin``); a client sending
+    neither header is no browser another site could have steered.
     """
     origin = request.headers.get("origin")
     if origin is not None and origin != "null":
-        return origin != f"{request.url.scheme}://{request.url.netloc}"
+        return origin not in _own_origins(request)
     site = request.headers.get("sec-fetch-site")
     return (origin is not None or site is not None) and site not in ("same-origin", "none")
+
+
+def _own_origins(request: Request) -> set[str]:
+    own = {f"{request.url.scheme}://{request.url.netloc}"}
+    if public_url := request.app.state.context.settings.public_url:
+        parsed = urlsplit(public_url)
+        own.add(f"{parsed.scheme}://{parsed.netloc}")
+    return own
 
 
 async def _form(request: Request) -> dict[str, str]:
@@ -321,7 +336,7 @@ async def sign_in(request: Request, ctx: StoreContext = Depends(get_context)) ->
                                 "characters): mint an admin token with fewer grants.")
     await run_in_threadpool(service.record_read, ctx, claims, action=f"POST {LOGIN}", target=LOGIN,
                             source=_source(request))
-    response = RedirectResponse(PREFIX, status_code=303)
+    response = _see_other(request, PREFIX)
     response.set_cookie(COOKIE, token, max_age=remaining, expires=remaining, path=PREFIX, secure=_secure(request),
                         httponly=True, samesite="strict")
     return response

@@ -54,6 +54,7 @@ from cgstore.console import charts
 from cgstore.context import StoreContext
 from cgstore.core.db import utcnow
 from cgstore.core.errors import BadRequest, KeyConflict, NameUnknown
+from cgstore.core.http import parse_number
 from cgstore.core.names import validate_owner, validate_repo
 from cgstore.operations import leases
 from cgstore.tokens.claims import Claims
@@ -135,9 +136,10 @@ def page_limit(limit: str | None, bound: int) -> int:
     """The ``limit`` query value: 1..``bound`` (default ``PAGE_ROWS``, never more than ``bound``)."""
     if limit is None:
         return min(PAGE_ROWS, bound)
-    if not limit.isdigit() or not 1 <= int(limit) <= bound:
+    rows = parse_number(limit)  # ASCII digits only: str.isdigit() and int() also read "१" as 1
+    if rows is None or not 1 <= rows <= bound:
         raise BadRequest(f"limit must be a whole number from 1 to {bound}", limit=limit[:16])
-    return int(limit)
+    return rows
 
 
 # -- overview ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import inspect
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import anyio
 import sqlalchemy.exc
@@ -29,7 +29,7 @@ from cgstore_client.keys import strict_json_loads
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, BeforeValidator, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -295,6 +295,20 @@ def echo(value: str) -> str:
 def parse_number(value: str) -> int | None:
     """A bounded, plain ASCII decimal (``str.isdigit`` would also pass "²"); None when it is not one."""
     return int(value) if _NUMBER.fullmatch(value) else None
+
+
+def _ascii_number(value: object) -> object:
+    """A query integer as typed: plain ASCII digits (pydantic alone reads " 4", "+4", "4_0" and "4.0" as 4)."""
+    if isinstance(value, str):
+        number = parse_number(value)
+        if number is None:
+            raise ValueError("must be a whole number in ASCII digits")
+        return number
+    return value
+
+
+#: An integer query parameter: ASCII digits only, then the route's own bounds (``ge``, ``le``).
+QueryInt = Annotated[int, BeforeValidator(_ascii_number)]
 
 
 #: Largest row id, hence largest keyset cursor: both databases store ids as signed 64-bit integers,

@@ -8,12 +8,14 @@ else exactly the 401/403 a publish would get.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from cgstore_client.wire.owners import RepoInfo, RepoSettings
 from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from cgstore.context import StoreContext, get_context
-from cgstore.core.http import json_body, read_json
+from cgstore.core.http import QueryInt, json_body, read_json
 from cgstore.repos import service
 from cgstore.tokens.claims import MAX_TTL_S, Claims
 from cgstore.tokens.dependencies import require_claims
@@ -45,7 +47,7 @@ async def configure_repo(
 @router.post("/preflight", status_code=204)
 async def preflight(
     owner: str, repo: str,
-    min_ttl_s: int = Query(DEFAULT_MIN_TTL_S, ge=0, le=MAX_TTL_S),
+    min_ttl_s: Annotated[QueryInt, Query(ge=0, le=MAX_TTL_S)] = DEFAULT_MIN_TTL_S,
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """May this token publish here, for at least `min_ttl_s`? (before a long compile)"""

@@ -50,6 +50,12 @@ _LOCK_TIMEOUT_S = 60.0
 KID_LEN = 16
 
 
+#: Said with an unknown kid: the usual cause is a token minted by ``cgstore token mint`` under another
+#: CGSTORE_HOME (another directory's ``.cgstore``: another database and key), which the CLI names.
+UNKNOWN_KEY_HINT = ("; was it minted under another CGSTORE_HOME? `cgstore token mint` prints the one it used, "
+                    "and must use the server's")
+
+
 class KeyConfigError(RuntimeError):
     """A configured key file is unreadable or not an Ed25519 key.
 
@@ -140,7 +146,7 @@ class KeyRing:
         """
         self._ensure_enrolled()
         if row is None:
-            raise TokenInvalid(f"token signed by an unknown key (kid {kid!r})")
+            raise TokenInvalid(f"token signed by an unknown key (kid {kid!r}){UNKNOWN_KEY_HINT}")
         if row.retired_at is not None:
             raise TokenInvalid(f"token signed by a retired key (kid {kid!r})")
         return self._public_key(row)

@@ -3,10 +3,13 @@
 ``/tokens`` (mint, list, revoke) need an admin token; ``/tokens/attenuate`` is
 called with the parent token itself; ``/keys`` (the JWKS) needs no token, like
 the capabilities. No answer ever carries a private key, and only a mint or an
-attenuation answer carries a signed token (the new one).
+attenuation answer carries a signed token (the new one): those two say
+``Cache-Control: no-store``.
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 from cgstore_client.wire.tokens import (
     DEFAULT_TOKEN_PAGE,
@@ -21,12 +24,12 @@ from cgstore_client.wire.tokens import (
     TokenInfo,
     TokenList,
 )
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from cgstore.access import is_admin
 from cgstore.context import StoreContext, get_context
-from cgstore.core.http import json_body, read_json
+from cgstore.core.http import QueryInt, json_body, read_json
 from cgstore.tokens import service
 from cgstore.tokens.claims import MAX_JTI_LEN, MAX_SUB_LEN, Claims
 from cgstore.tokens.dependencies import require_claims
@@ -36,10 +39,12 @@ router = APIRouter(prefix="/v1", tags=["tokens"])
 
 @router.post("/tokens", status_code=201, response_model=MintResponse, openapi_extra=json_body(MintRequest))
 async def mint_token(
-    request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
+    request: Request, response: Response,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> MintResponse:
     """Mint a token (admin)."""
     is_admin(claims).enforce()
+    _not_stored(response)
     body = await read_json(request, MintRequest, ctx.settings.max_json_bytes)
     minted = await run_in_threadpool(
         ctx.tokens.mint, body.sub, _grants(body.grants), body.ttl_s, body.platform, actor=claims
@@ -51,9 +56,11 @@ async def mint_token(
     "/tokens/attenuate", status_code=201, response_model=MintResponse, openapi_extra=json_body(AttenuateRequest)
 )
 async def attenuate_token(
-    request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
+    request: Request, response: Response,
+    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> MintResponse:
     """Mint a child of the calling token, never wider than it."""
+    _not_stored(response)
     body = await read_json(request, AttenuateRequest, ctx.settings.max_json_bytes)
     minted = await run_in_threadpool(ctx.tokens.attenuate, claims, _grants(body.grants), body.ttl_s, body.platform)
     return MintResponse(token=minted.token, jti=minted.jti, exp=minted.exp)
@@ -63,7 +70,7 @@ async def attenuate_token(
 async def list_tokens(
     sub: str | None = Query(None, max_length=MAX_SUB_LEN),
     cursor: str | None = Query(None, max_length=MAX_JTI_LEN),
-    limit: int = Query(DEFAULT_TOKEN_PAGE, ge=1, le=MAX_TOKEN_PAGE),
+    limit: Annotated[QueryInt, Query(ge=1, le=MAX_TOKEN_PAGE)] = DEFAULT_TOKEN_PAGE,
     claims: Claims = Depends(require_claims),
     ctx: StoreContext = Depends(get_context),
 ) -> TokenList:
@@ -88,6 +95,11 @@ async def keys(ctx: StoreContext = Depends(get_context)) -> Jwks:
     """The store's public keys (JWKS): verify tokens and receipts offline."""
     jwks = await run_in_threadpool(_jwks, ctx)
     return Jwks(keys=[Jwk(**key) for key in jwks])
+
+
+def _not_stored(response: Response) -> None:
+    """An answer carrying a token is kept by no cache, shared or private (RFC 9111 ``no-store``)."""
+    response.headers["Cache-Control"] = "no-store"
 
 
 def _jwks(ctx: StoreContext) -> list[dict[str, str]]:

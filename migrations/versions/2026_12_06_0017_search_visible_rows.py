@@ -1,7 +1,7 @@
 """Resolve and discover touch only the rows the caller may read: their indexes end in ``(repo_id, publisher)``.
 
-Revision ID: 0016_search_visible_rows
-Revises: 0015_audit_action_pages
+Revision ID: 0017_search_visible_rows
+Revises: 0016_audit_chain_start
 Create Date: 2026-12-06
 
 Issue 30 §2: discover loaded every live row of a declaration, across all
@@ -27,8 +27,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0016_search_visible_rows"
-down_revision = "0015_audit_action_pages"
+revision = "0017_search_visible_rows"
+down_revision = "0016_audit_chain_start"
 branch_labels = None
 depends_on = None
 
