@@ -117,7 +117,7 @@ import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import Select, and_, or_, select, union
+from sqlalchemy import ColumnElement, Select, and_, false, or_, select, union
 
 from cgstore.core.errors import Denied, RootReserved, StoreError
 from cgstore.core.names import ROOT_OWNER, is_reserved_owner, validate_owner, validate_repo
@@ -374,6 +374,21 @@ def searched_repos(claims: Claims, repos: Iterable[tuple[int, str, str, str, str
             ranked.append((rank, owner, name, repo_id, private_reader(claims, visibility)))
     return [SearchedRepo(repo_id, owner, name, rank, position, reader)
             for position, (rank, owner, name, repo_id, reader) in enumerate(sorted(ranked))]
+
+
+def readable_in(searched: Iterable[SearchedRepo], repo_id: ColumnElement[int],
+                publisher: ColumnElement[str]) -> ColumnElement[bool]:
+    """SQL: the records of the ``searched`` repos the caller may read, by their ``repo_id`` and ``publisher``.
+
+    Every record of a repo whose ``reader`` is None; only the reader's own in a
+    private cache (Reading). False when nothing is searched.
+    """
+    by_reader: dict[str | None, list[int]] = {}
+    for repo in searched:
+        by_reader.setdefault(repo.reader, []).append(repo.id)
+    terms = [repo_id.in_(ids) if reader is None else and_(repo_id.in_(ids), publisher == reader)
+             for reader, ids in sorted(by_reader.items(), key=lambda item: item[0] or "")]
+    return or_(*terms) if terms else false()
 
 
 # -- attenuating ----------------------------------------------------------------------------

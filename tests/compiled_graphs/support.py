@@ -147,7 +147,9 @@ def make_repo(store, owner: str, name: str, *, visibility: str = "owner", holder
     return make_repos(store, owner, [name], visibility=visibility, holder=holder)[0]
 
 
-def make_repos(store, owner: str, names: list[str], *, visibility: str = "owner", holder: str | None = None) -> list[int]:
+def make_repos(
+    store, owner: str, names: list[str], *, visibility: str = "owner", holder: str | None = None
+) -> list[int]:
     """Repo rows under ``owner`` in one transaction (see ``make_repo``); their ids."""
     from cgstore.owners.models import Owner
     from cgstore.repos.models import Repo
@@ -162,7 +164,9 @@ def make_repos(store, owner: str, names: list[str], *, visibility: str = "owner"
         return [repo.id for repo in repos]
 
 
-def clone_record(store, source_key: str, *, repo_id: int, publisher: str | None = None, key: str | None = None) -> str:
+def clone_record(
+    store, source_key: str, *, repo_id: int, publisher: str | None = None, key: str | None = None
+) -> str:
     """A live copy of the live record of ``source_key`` (with its components) in ``repo_id``; its key.
 
     What a tenant gets by publishing the same bytes again elsewhere, without

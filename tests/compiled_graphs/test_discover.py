@@ -13,6 +13,7 @@ from sqlalchemy import event, select, update
 from cgstore.audit.models import AuditEvent
 from cgstore.compiled_graphs.models import CompiledGraph
 from cgstore.compiled_graphs.service import REPORTS_PER_RECORD
+from cgstore.core.db import utcnow
 
 from cgstore_client.binding import signature_from_table
 from cgstore_client.wire.discovery import MAX_DISCOVER_LIMIT, DiscoverAnswer
@@ -22,6 +23,7 @@ from tests.compiled_graphs.support import (
     RECORDED,
     TOOLCHAIN,
     clone_record,
+    clone_records,
     error_code,
     make_repo,
     publication,
@@ -374,7 +376,7 @@ def test_the_client_publishes_release_and_code_and_a_module_signature_finds_it(s
 # -- what a search reads (issue 30 §2) ------------------------------------------------------------
 
 
-def test_a_search_reads_only_the_callers_best_rows(store, published):
+def test_a_search_reads_only_the_callers_best_rows(store, published, request):
     """Discover and resolve answer by resolve's order (``root/*``, held owners, named owners; newest first
     in a rank; one record per key), and their statement returns only rows the caller may read, at most
     ``limit`` for discover: records added where the caller cannot see change neither the answer nor that."""
@@ -384,6 +386,7 @@ def test_a_search_reads_only_the_callers_best_rows(store, published):
     token = store.mint(reader, f"acme/{name}:read", f"acme/{cache}:read", "*/*:read")
     store.mint(f"{other}-tenant", f"{other}/*:read")  # registers the other tenant
     root_id = make_repo(store, "root", unique_repo("platform"))
+    request.addfinalizer(lambda: _retire(store, root_id))  # root's records are searched by every other test
     held_id = make_repo(store, held, "mine", holder=reader)
     cache_id = make_repo(store, "acme", cache, visibility="principal")
     named_id = make_repo(store, "acme", f"{name}-2")  # under a named owner, but no grant names the repo
@@ -423,6 +426,36 @@ def test_a_search_reads_only_the_callers_best_rows(store, published):
     assert {by_key[k].status for k in keys[:-1]} == {"hit"}
     # The records statement itself: re-run, it returns exactly the answer's rows (not every match, then filtered).
     assert [len(rows_of(store, statement)) for statement in statements] == [len(expected), 3]
+
+
+def test_an_explanation_counts_only_what_the_caller_may_read(store, pt2_archive, report_a, constants_a):
+    """Other tenants' newer records of the family (``MAX_EXAMINED`` of them) neither crowd the caller's own
+    out of an explained miss nor show in it: before, the newest records of the family were read across all
+    tenants and filtered in Python, so they left the caller with "no record of family … this token may read"."""
+    from cgstore.compiled_graphs.explain import MAX_EXAMINED
+
+    name, family = unique_repo(), f"crowded-{uuid.uuid4().hex[:8]}"
+    token = store.mint("minter", f"acme/{name}:read,write")
+    pub = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(),
+                      family=family)
+    with store.client(token) as client:
+        assert publish(client, "acme", name, pub).status_code == 201
+        asked = {**declaration(pub, release="endpoint-8"), "explain": True}
+        before = discover(client, asked).content
+        other = f"other-{uuid.uuid4().hex[:8]}"
+        store.mint(f"{other}-tenant", f"{other}/*:read")  # registers the tenant holding ``other``
+        repo_id = make_repo(store, other, unique_repo(), holder=f"{other}-tenant")
+        clone_records(store, pub.key, [(repo_id, None, None)] * MAX_EXAMINED)
+        after = discover(client, asked).content
+    assert after == before
+    assert b'"records":1' in after and f"acme/{name}".encode() in after
+
+
+def _retire(store, repo_id: int) -> None:
+    """Yank every live record of a repo (straight in the database)."""
+    with store.context.db.session() as session:
+        session.execute(update(CompiledGraph).where(CompiledGraph.repo_id == repo_id, CompiledGraph.yanked_at.is_(None))
+                        .values(yanked_at=utcnow(), yanked_by="test", yank_reason="test over"))
 
 
 @contextlib.contextmanager

@@ -603,17 +603,17 @@ def _best_per_key(
     rank = _per_repo(searched, "rank").label("search_rank")
     position = _per_repo(searched, "position").label("search_position")
     branches = []
+    # One branch per reader (shared repos; private caches), each an index range the database can seek.
     for reader in sorted({repo.reader for repo in searched}, key=lambda reader: reader or ""):
-        ids = [repo.id for repo in searched if repo.reader == reader]
-        branch = (
+        readable = access.readable_in([repo for repo in searched if repo.reader == reader],
+                                      CompiledGraph.repo_id, CompiledGraph.publisher)
+        branches.append(
             select(CompiledGraph.id, CompiledGraph.key, rank, position)
             # The artifact's blob row must exist: a record never resolves to bytes the database lacks.
             # (No join to repos: the plan knows each searched repo's owner and name.)
             .join(Blob, Blob.digest == CompiledGraph.artifact_digest)
-            .where(*match, in_values(session, CompiledGraph.repo_id, ids),
-                   CompiledGraph.yanked_at.is_(None), CompiledGraph.health == HEALTH_OK)
+            .where(*match, readable, CompiledGraph.yanked_at.is_(None), CompiledGraph.health == HEALTH_OK)
         )
-        branches.append(branch if reader is None else branch.where(CompiledGraph.publisher == reader))
     if len(branches) == 1:
         nth = func.row_number().over(partition_by=CompiledGraph.key, order_by=(position, CompiledGraph.id))
         ranked = branches[0].add_columns(nth.label("nth")).subquery("ranked")
@@ -732,7 +732,8 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
                 (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release), limit=request.limit,
             )).all()
         components = _component_rows(session, [row.id for row in chosen])
-        miss = explain.explain_miss(session, claims, request, derived) if request.explain and not chosen else None
+        miss = explain.explain_miss(session, claims, request, derived, searched) if request.explain and not chosen \
+            else None
     repos = {repo.id: repo for repo in searched}
     urls = urls_for(_blob_refs(chosen, repos, components))
     found = [{**_answer(row.key, row, repos, components, urls), "binding_signature": row.binding_signature,
