@@ -239,7 +239,8 @@ def _as_httpx_errors() -> Iterator[None]:
     try:
         yield
     except _HTTPCORE_ERRORS as err:
-        raise httpx.TransportError(f"{type(err).__name__}: {err}") from err
+        # httpx names its errors as httpcore does (ConnectError, ReadTimeout, ...): keep the name.
+        raise getattr(httpx, type(err).__name__, httpx.TransportError)(str(err)) from err
 
 
 class _Body(httpx.SyncByteStream):

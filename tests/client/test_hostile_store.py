@@ -79,22 +79,29 @@ def test_the_transport_sends_nothing_off_the_stores_origin(hostile, sink, tmp_pa
 
 
 @pytest.mark.torch
-def test_a_discover_answer_naming_another_host_gets_no_request_when_diagnosing_a_miss(hostile, sink, tmp_path):
+def test_a_miss_diagnosis_reads_the_nearest_record_on_the_store_whatever_the_answer_names(hostile, sink, tmp_path):
+    """The tensors of a miss are diagnosed from the nearest record, read at the path the client builds from
+    its repo and key: a candidate's ``href`` naming another host (the discover answers one, too) is never asked."""
     from tests.support.archives import tiny_model
 
     digest = hostile.serve_record(BLOB)
-    other = {**hostile.hit(digest, len(BLOB), f"{sink.url}/steal"), "binding_signature": "bs1:other"}
+    decoy = {**hostile.hit(digest, len(BLOB), f"{sink.url}/steal"), "binding_signature": "bs1:other"}
+    miss = {"detail": f"1 record of {FAMILY} in {REPO}; nearest differs in binding_signature", "records": 1,
+            "repos": [REPO], "nearest": {"key": KEY, "repo": REPO, "differences": [
+                {"axis": "binding_signature", "here": "bs1:mine", "recorded": "bs1:other"}]}}
 
-    def discover(body: bytes, headers) -> Answer:  # nothing binds these tensors; without them, one record does
+    def discover(body: bytes, headers) -> Answer:  # nothing binds these tensors; without them, the decoy does
         asked = json.loads(body)
-        return json_answer({"candidates": [] if asked.get("binding_signature") else [other]})
+        return json_answer({"candidates": [], "miss": miss} if asked.get("binding_signature") else
+                           {"candidates": [decoy]})
 
     hostile.routes[("POST", "/v1/compiled-graphs:discover")] = discover
     with client_of(hostile, tmp_path) as client:
         booted = client.boot(FAMILY, tiny_model(), envelope={"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1]},
                              code=False)
-    assert not booted.compiled and booted.reason.startswith("miss: no candidate binds this model's tensors")
-    assert f"{KEY} binds bs1:other" in booted.reason  # the diagnosis read the record, on the store
+    assert not booted.compiled and booted.reason.startswith(f"miss: {miss['detail']} ({KEY}: ")
+    assert [r[:2] for r in hostile.requests_to(f"/v1/repos/{REPO}/compiled-graphs/")] == [
+        ("GET", f"/v1/repos/{REPO}/compiled-graphs/{KEY}")]  # the diagnosis read the record, on the store
     assert sink.log == []
 
 

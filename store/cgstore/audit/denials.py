@@ -108,6 +108,9 @@ class DenialLog:
         self.interval_s = interval_s
         self._max_sources = max_sources
         self._lock = threading.Lock()
+        # One flush at a time: a flush returns only once everything accounted before it is
+        # written, even what a concurrent (periodic) flush took first.
+        self._flushing = threading.Lock()
         self._pending: dict[_Key, _Aggregate] = {}
         # (actor, outcome) pairs whose refusal this interval already has its own row.
         self._written: set[tuple[str, str]] = set()
@@ -174,6 +177,10 @@ class DenialLog:
         If the database does not answer, the counts and rows go back into the
         buffer for the next try: a denial is delayed, never lost.
         """
+        with self._flushing:
+            return self._flush()
+
+    def _flush(self) -> int:
         with self._lock:
             taken, self._pending = self._pending, {}
             deferred = [row for row in self._deferred if row["hidden"]]
