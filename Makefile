@@ -1,6 +1,6 @@
 # cgstore — the two commands of the README, and a few helpers.
 #   make serve   the store on the embedded default (SQLite + a local directory), no configuration
-#   make test    the whole suite against SQLite + directory AND PostgreSQL + S3 (moto_server)
+#   make test    the whole suite against SQLite + directory AND PostgreSQL + S3 (Ceph's RADOS Gateway)
 #   make bench   the ratio benchmarks in bench/
 #   make docs    regenerate the reference tables in docs/
 
@@ -9,7 +9,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: serve test lint format fuzz soak conformance bench bench-deps chromium docs install install-dev install-worker clean
+.PHONY: serve test lint format fuzz soak conformance bench bench-deps chromium ceph docs install install-dev install-worker clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,9 +46,10 @@ serve: install
 	$(VENV)/bin/cgstore serve
 
 # The test session itself starts PostgreSQL if it is down, creates and drops its own
-# database, and runs moto_server on a free loopback port (tests/support/services.py).
+# database, and starts a single-host Ceph cluster whose RADOS Gateway (S3) listens on a
+# free loopback port (tests/support/services.py).
 # Long fuzz and soak runs are marked and left to their own targets (CI runs `make test`).
-test: install-dev chromium lint
+test: install-dev chromium ceph lint
 	$(PY) -m pytest -m "not fuzz and not soak" --durations=20 --junitxml=.test-results/junit.xml $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml: pyflakes, isort, bugbear, pyupgrade, and the formatter's check.
@@ -73,9 +74,19 @@ chromium:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 	  || echo "chromium is absent and this is not root: browser tests will fail"; }
 
+# The production configuration's S3 is Ceph's RADOS Gateway (Debian's 16.2, about 61 MB);
+# installed from apt when root and absent.
+CEPH_TOOLS := ceph-mon ceph-osd radosgw radosgw-admin monmaptool
+ceph:
+	@for tool in $(CEPH_TOOLS); do command -v $$tool >/dev/null 2>&1 || missing=1; done; \
+	  [ -z "$$missing" ] || { [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    radosgw ceph-mon ceph-osd ceph-common >/dev/null) \
+	  || echo "Ceph is absent and this is not root: the production configuration's tests will fail"; }
+
 # Certify a deployment: CGSTORE_URL=https://… CGSTORE_ADMIN_TOKEN=… make conformance
 # (without CGSTORE_URL it runs against the three local deployments, as `make test` does).
-conformance: install-dev
+conformance: install-dev ceph
 	$(PY) -m pytest tests/conformance --junitxml=conformance.xml $(PYTEST_ARGS)
 
 # The reference tables of docs/ (configuration, CLI, routes), rewritten from the code.
@@ -87,7 +98,7 @@ bench-deps:
 	@command -v aria2c >/dev/null 2>&1 && command -v curl >/dev/null 2>&1 || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq aria2 curl >/dev/null)
 
-bench: install-dev bench-deps
+bench: install-dev bench-deps ceph
 	@set -e; for script in bench/*.py; do \
 	  case $$script in bench/_*) continue;; esac; \
 	  echo "== $$script"; $(PY) $$script; done

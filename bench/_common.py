@@ -1,8 +1,8 @@
 """Shared plumbing of the bench scripts: backing services, the store process, RSS and CPU sampling.
 
 Services are started exactly the way the tests start them (``tests/support/services.py``):
-a fresh PostgreSQL database (created, then dropped), ``moto_server`` on a free
-loopback port, and ``cgstore serve`` as a separate process configured through
+a fresh PostgreSQL database (created, then dropped), a single-host Ceph cluster whose
+RADOS Gateway (S3) listens on a free loopback port, and ``cgstore serve`` as a separate process configured through
 the same ``CGSTORE_*`` variables a deployment uses. Every bench script prints
 details on earlier lines and exactly one JSON object on its last line.
 """
@@ -112,7 +112,7 @@ class Timing:
 
 @contextlib.contextmanager
 def timed(watch: dict[str, int]) -> Iterator[Timing]:
-    """``with timed({"server": pid, "moto": pid, "client": os.getpid()}) as t: ...``"""
+    """``with timed({"server": pid, **stack.s3.pids, "client": os.getpid()}) as t: ...``"""
     timing = Timing()
     before = {name: cpu_seconds(pid) for name, pid in watch.items()}
     start = time.perf_counter()
@@ -226,7 +226,7 @@ class _StoreProcessStack:
 
 @dataclass
 class Stack(_StoreProcessStack):
-    """PostgreSQL database + moto_server + a bucket + the store process using them."""
+    """PostgreSQL database + S3 (Ceph's RADOS Gateway) + a bucket + the store process using them."""
 
     s3: services.S3Server
     bucket: str
@@ -234,8 +234,9 @@ class Stack(_StoreProcessStack):
     home: Path
 
     @property
-    def moto_pid(self) -> int:
-        return self.s3.process.pid
+    def s3_pids(self) -> dict[str, int]:
+        """The S3's processes by name (monitor, OSD, gateway), for CPU and RSS figures."""
+        return self.s3.pids
 
 
 def mint_token(env: dict[str, str], sub: str, *grants: str, ttl: str = "1h") -> str:
@@ -266,8 +267,8 @@ def embedded_stack(**settings: object) -> Iterator[EmbeddedStack]:
 
 @contextlib.contextmanager
 def production_stack(prefix: str = "cgstore_bench", **settings: object) -> Iterator[Stack]:
-    """Start PostgreSQL (database created here, dropped after), moto_server and the
-    store (PostgreSQL + S3) as a separate process; stop and drop everything after.
+    """Start PostgreSQL (database created here, dropped after), Ceph's RADOS Gateway
+    and the store (PostgreSQL + S3) as a separate process; stop and drop everything after.
 
     ``settings`` are extra store options by field name (``redirect_downloads=True``),
     passed as ``CGSTORE_<NAME>`` variables like any deployment would.
@@ -304,12 +305,13 @@ def replicated_stack(prefix: str = "cgstore_bench", replicas: int = 2, **setting
     """
     with contextlib.ExitStack() as stack:
         database_url = stack.enter_context(services.postgres_database(prefix))
-        s3 = stack.enter_context(services.moto_s3_server())
+        s3 = stack.enter_context(services.rgw_s3_server())
         bucket = s3.create_bucket()
         home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cgstore-bench-home-")))
         env = {
             "CGSTORE_DATABASE_URL": database_url,
             "CGSTORE_STORAGE_URL": s3.storage_url(bucket),
+            **s3.credentials,
             **{f"CGSTORE_{name.upper()}": _env_value(value) for name, value in settings.items()},
         }
         stores = [stack.enter_context(services.store_process(env, home)) for _ in range(replicas)]

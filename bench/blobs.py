@@ -1,9 +1,9 @@
-"""Blob throughput through the store vs raw boto3, against the same moto_server, and the server's peak RSS.
+"""Blob throughput through the store vs raw boto3, against the same S3 (Ceph's RADOS Gateway), and the server's peak RSS.
 
     python bench/blobs.py                 # 1 GiB blob (default)
     python bench/blobs.py --size-mib 64   # a quick check
 
-Starts its own PostgreSQL database, moto_server and the store (PostgreSQL + S3,
+Starts its own PostgreSQL database, Ceph's RADOS Gateway and the store (PostgreSQL + S3,
 ``redirect_downloads`` on) as a separate process, and stops them afterwards.
 
 Ours:
@@ -15,25 +15,25 @@ Ours:
   (without the cap-token), hashes every byte into a temp file, fsyncs it and
   renames it into place only when the blake3 digest and size match.
 
-Baselines (raw boto3, same bytes, different key, same moto_server):
+Baselines (raw boto3, same bytes, different key, same S3):
 - upload: ``upload_file`` with the default ``TransferConfig``;
 - download (``download_ratio``): ``get_object`` doing by hand the work our
-  download does (``s3_get_verified``): the same single stream from moto into a
+  download does (``s3_get_verified``): the same single stream from S3 into a
   temp file in the destination's directory, blake3 of the stream while
   writing, fsync, rename on a digest and size match, fsync of the directory;
 - download (``download_ratio_vs_unverified``): ``get_object`` streamed into a
   file with no hash and no fsync (``s3_get_unverified``): what verification
   and durability cost, not what the client costs.
-(``download_fileobj`` is no fair baseline here: moto copies the whole object
-for every ranged GET, so boto3's parallel ranged download crawls at ~15 MiB/s.)
+(``download_fileobj`` is not the baseline: the store's download is one verified
+stream, so the fair comparison is boto3 doing the same.)
 Both boto3 and the store's S3 client send flexible checksums only when required
 (the store configures that; the baseline does the same so only the store's
 overhead is compared, not botocore's CRC trailers).
 
 Each repetition uses fresh bytes (the first 16 bytes of the file carry the
 repetition number, the digest is recomputed untimed) because the store never
-rewrites a blob it already holds; the objects are deleted from moto after each
-repetition so its memory stays bounded. Each repetition is one upload pair and
+rewrites a blob it already holds; the objects are deleted from S3 after each
+repetition so the OSD's sparse block stays bounded. Each repetition is one upload pair and
 ``--download-reps`` download rounds of the three downloads (downloads are
 fast, so noisier); each round runs them forwards or backwards, alternately.
 Ratios are of the best throughput of each side (medians are printed too: on a
@@ -109,7 +109,7 @@ def our_download(base_url: str, token: str, size: int, digest: str, cache: Path)
 
 
 def boto_download(s3, bucket: str, key: str, size: int, dest: Path) -> None:
-    """Raw boto3 GET of the same bytes into a file: the same single stream from moto, no hash."""
+    """Raw boto3 GET of the same bytes into a file: the same single stream from S3, no hash."""
     received = s3_get_unverified(s3, bucket, key, dest)
     dest.unlink()
     if received != size:
@@ -142,19 +142,17 @@ def main() -> None:
             write_random_file(path, size)
         log(f"test data written in {prep.wall_s:.1f}s (16 MiB random blocks)")
 
-        # The reaper is off for the run: it measures nothing here, and on moto (whose
-        # ListMultipartUploads reports every upload as initiated in 2010) its orphan
-        # sweep aborts whatever blob write is in flight when it ticks.
+        # The reaper is off for the run: it measures nothing here.
         with production_stack(redirect_downloads=True, reaper_interval_s=3600) as stack:
-            server_pid, moto_pid = stack.server_pid, stack.moto_pid
-            watch = {"server": server_pid, "moto": moto_pid, "client": os.getpid()}
+            server_pid = stack.server_pid
+            watch = {"server": server_pid, **stack.s3_pids, "client": os.getpid()}
             token = stack.mint("bench", f"{OWNER}/*:read,write")
             s3 = boto3.session.Session().client(
                 "s3",
                 endpoint_url=stack.s3.endpoint_url,
                 region_name=stack.s3.region,
-                aws_access_key_id="test",
-                aws_secret_access_key="test",
+                aws_access_key_id=stack.s3.access_key,
+                aws_secret_access_key=stack.s3.secret_key,
                 config=Config(request_checksum_calculation="when_required", response_checksum_validation="when_required"),
             )
             idle_rss = rss_mib(server_pid)

@@ -3,7 +3,7 @@
     python bench/boot.py                      # the small MLP, GPT-2 and BERT tiny configs (~2 min)
     python bench/boot.py --models mlp --reps 1    # a quick check
 
-Starts its own PostgreSQL database, moto_server and the store (PostgreSQL + S3)
+Starts its own PostgreSQL database, Ceph's RADOS Gateway (S3) and the store (PostgreSQL + S3)
 as a separate process, and stops them afterwards. Per model, each path ends
 with the first call's output in hand; (b) and (c) start from an empty cache
 (best of ``--reps``), after the model was minted and published once:

@@ -3,7 +3,7 @@
     python bench/client.py                                   # 1 GiB artifact + 2 x 256 MiB components
     python bench/client.py --artifact-mib 128 --component-mib 32 --reps 1   # a quick check
 
-Starts its own PostgreSQL database, moto_server and the store (PostgreSQL + S3,
+Starts its own PostgreSQL database, Ceph's RADOS Gateway (S3) and the store (PostgreSQL + S3,
 ``redirect_downloads`` on) as a separate process, and stops them afterwards.
 
 The published compiled graph is real: a model with two 8192x8192 float32
@@ -174,7 +174,7 @@ def main() -> None:
             token = stack.mint("bench", f"{OWNER}/*:read,write")
             s3 = boto3.session.Session().client(
                 "s3", endpoint_url=stack.s3.endpoint_url, region_name=stack.s3.region,
-                aws_access_key_id="test", aws_secret_access_key="test",
+                aws_access_key_id=stack.s3.access_key, aws_secret_access_key=stack.s3.secret_key,
                 config=Config(request_checksum_calculation="when_required", response_checksum_validation="when_required"),
             )
 

@@ -5,7 +5,7 @@
     python bench/console.py --configs production --rounds 20
 
 For each configuration (``embedded``: the store alone, SQLite + the blob
-directory; ``production``: PostgreSQL + moto_server) it starts the store as a
+directory; ``production``: PostgreSQL + Ceph's RADOS Gateway) it starts the store as a
 separate process (``_common.py``), seeds its database in bulk
 (``_console_seed.py``: live records over 20 repos, 8 families, 4 sms, 3 lanes,
 30 publishers; a chained audit log of mixed actions, outcomes, actors and

@@ -9,7 +9,7 @@ database transaction competing with the uploads' own. Now 401s are counted in
 memory and written as one row per (source, outcome) per interval, so the flood
 costs the database nothing until the next flush.
 
-Starts PostgreSQL (a fresh database), moto_server and the store as a separate
+Starts PostgreSQL (a fresh database), Ceph's RADOS Gateway (S3) and the store as a separate
 process (``CGSTORE_AUDIT_INTERVAL_S=1`` so the aggregate rows land within the
 run). Baseline: ``--uploads`` sequential 4 KiB ``PUT``s of fresh bytes with a
 valid token. Then the same uploads again while ``--threads`` clients send

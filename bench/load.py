@@ -3,7 +3,7 @@
     python bench/load.py                                   # 32 clients, 2 minutes
     python bench/load.py --clients 8 --duration-s 20       # a quick check
 
-Starts its own PostgreSQL database, moto_server and two ``cgstore serve``
+Starts its own PostgreSQL database, Ceph's RADOS Gateway (S3) and two ``cgstore serve``
 processes (PostgreSQL + S3, presigned download URLs on) that share the
 database, the bucket and ``CGSTORE_HOME`` (so the signing key), and stops them
 afterwards. No load balancer: every client alternates between the two replicas
@@ -354,7 +354,7 @@ def main() -> None:
         rss_start = rss_of(stack.server_pids)
         log(f"replica RSS at start (MiB): {rss_start}; {args.clients} clients for {args.duration_s:.0f} s")
         watch = {f"replica {n + 1}": pid for n, pid in enumerate(stack.server_pids)}
-        watch |= {"moto": stack.stacks[0].moto_pid, "clients (this process)": os.getpid()}
+        watch |= {**stack.stacks[0].s3_pids, "clients (this process)": os.getpid()}
         with timed(watch) as timing:
             tally, wall = workload(stack, token, corpus, args)
         rss_end = rss_of(stack.server_pids)

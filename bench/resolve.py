@@ -4,7 +4,7 @@
     python bench/resolve.py --clients 4 --requests 40
     python bench/resolve.py --workers 1          # one store process (default 2: CGSTORE_WORKERS)
 
-Starts its own PostgreSQL database, moto_server and the store (PostgreSQL + S3,
+Starts its own PostgreSQL database, Ceph's RADOS Gateway (S3) and the store (PostgreSQL + S3,
 presigned download URLs on, ``--workers`` processes) as a separate process, and
 stops them afterwards.
 Records are seeded in bulk with SQL straight into the store's database (a

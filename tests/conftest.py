@@ -16,8 +16,11 @@ pytest_plugins: list[str] = ["tests.support.archives"]
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """One moto_server process for the whole session (a database and its stores share one bucket)."""
-    with services.moto_s3_server() as server:
+    """One S3 for the whole session: Ceph's RADOS Gateway on a single-host cluster (a
+    database and its stores share one bucket). Its user's keys are this process's
+    ``AWS_*`` variables, which stores in it and the processes it starts sign with."""
+    with services.rgw_s3_server() as server:
+        services.use_s3_credentials(server)
         yield server
 
 
@@ -80,7 +83,7 @@ def make_registry(request, tmp_path_factory):
             home = tmp_path_factory.mktemp(f"registry-{configuration}")
             if configuration == "production":
                 s3 = request.getfixturevalue("s3_server")
-                services.use_test_aws_credentials()
+                services.use_s3_credentials(s3)
                 overrides["database_url"] = stack.enter_context(services.postgres_database("cgstore_own"))
                 overrides["storage_url"] = s3.storage_url(s3.create_bucket())
             return stack.enter_context(running_store(Settings(home=home, **overrides), configuration))

@@ -3,7 +3,9 @@
 Every function here is pure: it takes verified ``Claims`` and the facts a
 service looked up (is the principal a registered platform principal? who holds
 the owner?) and answers a ``Decision``. Services ask, then ``enforce()``; the
-rules live only here. The rules:
+rules live only here. Where a query must narrow to what may be read before
+reading (resolve, discover), the narrowing is built here too, as a statement
+the service runs (``search_candidates``), never written in the service. The rules:
 
 Reading
   - ``root/*`` is readable by every valid token.
@@ -64,7 +66,7 @@ Yanking a record (``POST .../compiled-graphs/{key}:yank``)
     Naming another tenant's record is a store admin's write (the admin token
     is the whole store), not a read: no read grant reaches a private record.
 
-Resolving (``POST /v1/compiled-graphs:resolve``): which readable repos are searched, in what order
+Resolving (``POST /v1/compiled-graphs:resolve``, and discover): which readable repos are searched, in what order
   - ``root`` first; then repos under owners the caller holds; then repos under
     owners a grant names literally (an admin's explicit delegation). Within each
     group by owner, repo name, then record id: a deterministic answer.
@@ -74,6 +76,11 @@ Resolving (``POST /v1/compiled-graphs:resolve``): which readable repos are searc
     key under its own owner: searching it would let one tenant plant the
     artifact another tenant's worker runs. As for writes, a wildcard owner
     means the caller's own owners. ``GET`` and the listing still read there.
+  - In a searched private cache only the caller's own records count (Reading).
+  - The search is planned before any record is read (``searched_repos``): the
+    repos, their order and whose records each shows. The record query then
+    touches only rows the caller may read, so neither its answer nor its
+    duration depends on what the caller cannot see.
 
 Claiming an owner (``POST /v1/owners``)
   - The slug must be a valid owner name, strict ASCII, never normalized
@@ -107,13 +114,17 @@ Scraping metrics (``GET /metrics``)
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from sqlalchemy import ColumnElement, Select, and_, false, or_, select, union
 
 from cgstore.core.errors import Denied, RootReserved, StoreError
 from cgstore.core.names import ROOT_OWNER, is_reserved_owner, validate_owner, validate_repo
-from cgstore.repos.models import PRIVATE
+from cgstore.owners.models import Owner
+from cgstore.repos.models import PRIVATE, Repo
 from cgstore.tokens.claims import Claims
-from cgstore.tokens.grants import ADMIN, OWNER_CREATE, READ, WILDCARD, WRITE, Grant, is_subset
+from cgstore.tokens.grants import ADMIN, OWNER_CREATE, READ, WILDCARD, WRITE, Grant, is_glob, is_subset
 
 LOCK_GRANT = "a grant naming the owner literally"
 LOCK_PLT = "a platform token (plt)"
@@ -304,6 +315,80 @@ def resolve_rank(claims: Claims, owner: str, repo: str, *, holder: str | None) -
     if _named_literally(claims, owner, repo, READ):
         return RANK_NAMED
     return None  # reached through a wildcard owner only: another tenant's
+
+
+def search_candidates(claims: Claims) -> Select:
+    """SQL: the repos ``resolve_rank`` can search for ``claims``, as ``(id, owner, name, visibility, holder)``.
+
+    The repos under the owners ``claims.sub`` holds, ``root``'s, those under an
+    owner a read grant names literally with a glob for the repo, and those a
+    read grant names outright. Each branch is a lookup by the owners' index or
+    the repos' ``(owner, name)``, with literal values the planner can judge: no
+    other tenant's repo is read, however many there are. A narrowing, never
+    the decision: ``searched_repos`` still ranks each repo found.
+    """
+    columns = (Repo.id, Repo.owner, Repo.name, Repo.visibility, Owner.principal.label("holder"))
+    held = select(*columns).join(Owner, Owner.slug == Repo.owner).where(Owner.principal == claims.sub)
+    owners, repos = {ROOT_OWNER}, set()
+    for grant in claims.grants:
+        if READ in grant.effective_actions and not is_glob(grant.owner_pattern):
+            if is_glob(grant.repo_pattern):
+                owners.add(grant.owner_pattern)
+            else:
+                repos.add((grant.owner_pattern, grant.repo_pattern))
+    by_name = select(*columns).outerjoin(Owner, Owner.slug == Repo.owner)
+    branches = [held, by_name.where(Repo.owner.in_(sorted(owners)))]
+    if repos:
+        branches.append(by_name.where(or_(*(and_(Repo.owner == owner, Repo.name == name)
+                                            for owner, name in sorted(repos)))))
+    return union(*branches)
+
+
+@dataclass(frozen=True)
+class SearchedRepo:
+    """A repo resolve and discover search: its ``resolve_rank``, its place in the search, whose records it shows.
+
+    ``position`` orders the searched repos by rank, owner and name (a record's
+    place is its repo's, then its id); ``reader`` is ``private_reader``: the
+    one publisher whose records the caller sees there, or None for everyone's.
+    """
+
+    id: int
+    owner: str
+    name: str
+    rank: int
+    position: int
+    reader: str | None
+
+
+def searched_repos(claims: Claims, repos: Iterable[tuple[int, str, str, str, str | None]]) -> list[SearchedRepo]:
+    """The search plan over candidate repos ``(id, owner, name, visibility, holder)``, best first.
+
+    The candidates are those ``search_candidates`` found; the ones ``resolve_rank``
+    does not search are dropped.
+    """
+    ranked = []
+    for repo_id, owner, name, visibility, holder in repos:
+        rank = resolve_rank(claims, owner, name, holder=holder)
+        if rank is not None:
+            ranked.append((rank, owner, name, repo_id, private_reader(claims, visibility)))
+    return [SearchedRepo(repo_id, owner, name, rank, position, reader)
+            for position, (rank, owner, name, repo_id, reader) in enumerate(sorted(ranked))]
+
+
+def readable_in(searched: Iterable[SearchedRepo], repo_id: ColumnElement[int],
+                publisher: ColumnElement[str]) -> ColumnElement[bool]:
+    """SQL: the records of the ``searched`` repos the caller may read, by their ``repo_id`` and ``publisher``.
+
+    Every record of a repo whose ``reader`` is None; only the reader's own in a
+    private cache (Reading). False when nothing is searched.
+    """
+    by_reader: dict[str | None, list[int]] = {}
+    for repo in searched:
+        by_reader.setdefault(repo.reader, []).append(repo.id)
+    terms = [repo_id.in_(ids) if reader is None else and_(repo_id.in_(ids), publisher == reader)
+             for reader, ids in sorted(by_reader.items(), key=lambda item: item[0] or "")]
+    return or_(*terms) if terms else false()
 
 
 # -- attenuating ----------------------------------------------------------------------------

@@ -132,3 +132,71 @@ def publish(client: httpx.Client, owner: str, repo: str, pub: Publication, *, se
 
 def error_code(response: httpx.Response) -> str:
     return response.json()["error"]["code"]
+
+
+# -- records written straight into the database (many of them, cheaply) -------------------------
+
+
+def random_key() -> str:
+    """A valid ck1 key nobody derived: a record cloned under it resolves only where a test put it."""
+    return "ck1-" + uuid.uuid4().hex + uuid.uuid4().hex[:24]
+
+
+def make_repo(store, owner: str, name: str, *, visibility: str = "owner", holder: str | None = None) -> int:
+    """A repo row (and, with ``holder``, the owner claimed by that registered principal); its id."""
+    return make_repos(store, owner, [name], visibility=visibility, holder=holder)[0]
+
+
+def make_repos(
+    store, owner: str, names: list[str], *, visibility: str = "owner", holder: str | None = None
+) -> list[int]:
+    """Repo rows under ``owner`` in one transaction (see ``make_repo``); their ids."""
+    from cgstore.owners.models import Owner
+    from cgstore.repos.models import Repo
+
+    with store.context.db.session() as session:
+        if holder is not None and session.get(Owner, owner) is None:
+            session.add(Owner(slug=owner, principal=holder))
+            session.flush()
+        repos = [Repo(owner=owner, name=name, visibility=visibility, created_by=holder or "test") for name in names]
+        session.add_all(repos)
+        session.flush()
+        return [repo.id for repo in repos]
+
+
+def clone_record(
+    store, source_key: str, *, repo_id: int, publisher: str | None = None, key: str | None = None
+) -> str:
+    """A live copy of the live record of ``source_key`` (with its components) in ``repo_id``; its key.
+
+    What a tenant gets by publishing the same bytes again elsewhere, without
+    paying admission for each of hundreds of copies. ``publisher`` also sets the
+    write-once scope (as a publish into a private cache does).
+    """
+    return clone_records(store, source_key, [(repo_id, publisher, key)])[0]
+
+
+def clone_records(store, source_key: str, copies: list[tuple[int, str | None, str | None]]) -> list[str]:
+    """``clone_record`` for each ``(repo_id, publisher, key)``, in one transaction; their keys."""
+    from sqlalchemy import select
+
+    from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
+
+    keys = []
+    with store.context.db.session() as session:
+        source = session.scalars(select(CompiledGraph).where(
+            CompiledGraph.key == source_key, CompiledGraph.yanked_at.is_(None)).order_by(CompiledGraph.id)).first()
+        components = session.scalars(select(CompiledGraphComponent).where(
+            CompiledGraphComponent.record_id == source.id)).all()
+        columns = {c.key: getattr(source, c.key) for c in CompiledGraph.__table__.columns if c.key != "id"}
+        for repo_id, publisher, key in copies:
+            values = dict(columns, repo_id=repo_id, key=key or random_key(), drift_reports=0)
+            if publisher is not None:
+                values.update(publisher=publisher, scope=publisher)
+            copy = CompiledGraph(**values)
+            session.add(copy)
+            session.flush()
+            session.add_all(CompiledGraphComponent(record_id=copy.id, name=c.name, digest=c.digest, size=c.size)
+                            for c in components)
+            keys.append(values["key"])
+    return keys

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import uuid
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -9,15 +12,19 @@ from sqlalchemy import event, select, update
 
 from cgstore.audit.models import AuditEvent
 from cgstore.compiled_graphs.models import CompiledGraph
-from cgstore.compiled_graphs.service import REPORTS_PER_WINDOW
+from cgstore.compiled_graphs.service import REPORTS_PER_RECORD
+from cgstore.core.db import utcnow
 from cgstore_client.binding import signature_from_table
 from cgstore_client.wire.discovery import MAX_DISCOVER_LIMIT, DiscoverAnswer
-from cgstore_client.wire.records import Record, RecordPage
+from cgstore_client.wire.records import Record, RecordPage, ResolveAnswer
 from tests.compiled_graphs.support import (
     FAMILY,
     RECORDED,
     TOOLCHAIN,
+    clone_record,
+    clone_records,
     error_code,
+    make_repo,
     publication,
     publish,
     unique_envelope,
@@ -310,21 +317,23 @@ def test_report_on_an_unreadable_record_is_the_404_of_an_absent_key(store, pt2_a
         assert session.scalar(select(CompiledGraph.drift_reports).where(CompiledGraph.key == pub.key)) == 0
 
 
-def test_reports_are_rate_limited_per_token(store, published):
+def test_reports_are_rate_limited_per_record(store, published):
+    """A record takes at most ``REPORTS_PER_RECORD`` reports per window, whoever sends them (principals' own
+    limits and attenuated tokens: tests/security/test_report_limits.py)."""
     name, _, pub = published
-    worker = store.mint("worker-2", f"acme/{name}:read")
-    other = store.mint("worker-3", f"acme/{name}:read")
+    worker = store.mint(f"worker-{uuid.uuid4().hex[:8]}", f"acme/{name}:read")
+    other = store.mint(f"worker-{uuid.uuid4().hex[:8]}", f"acme/{name}:read")
     with store.client(worker) as client:
-        for _ in range(REPORTS_PER_WINDOW):
+        for _ in range(REPORTS_PER_RECORD):
             assert report(client, pub, "acme", name).status_code == 200
         limited = report(client, pub, "acme", name)
     assert limited.status_code == 429, limited.text
     assert error_code(limited) == "UNAVAILABLE"
     assert 1 <= int(limited.headers["Retry-After"]) <= 60
-    with store.client(other) as client:  # per token: another one still reports
-        assert report(client, pub, "acme", name).status_code == 200
+    with store.client(other) as client:  # per record: another principal is refused too, and nothing is counted
+        assert report(client, pub, "acme", name).status_code == 429
         assert Record.model_validate_json(client.get(pub.path("acme", name)).content).drift_reports == \
-            REPORTS_PER_WINDOW + 1
+            REPORTS_PER_RECORD
 
 
 def test_drift_reports_show_in_admin_stats(store, published):
@@ -359,3 +368,109 @@ def test_the_client_publishes_release_and_code_and_a_module_signature_finds_it(s
             "binding_signature": signature_from_module(model), "code": code_fingerprint(model)}
     with store.client(token) as client:
         assert [c.key for c in candidates(discover(client, body))] == [published.key]
+
+
+# -- what a search reads (issue 30 §2) ------------------------------------------------------------
+
+
+def test_a_search_reads_only_the_callers_best_rows(store, published, request):
+    """Discover and resolve answer by resolve's order (``root/*``, held owners, named owners; newest first
+    in a rank; one record per key), and their statement returns only rows the caller may read, at most
+    ``limit`` for discover: records added where the caller cannot see change neither the answer nor that."""
+    name, _, pub = published
+    reader = f"reader-{uuid.uuid4().hex[:8]}"
+    cache, held, other = unique_repo("cache"), f"held-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
+    token = store.mint(reader, f"acme/{name}:read", f"acme/{cache}:read", "*/*:read")
+    store.mint(f"{other}-tenant", f"{other}/*:read")  # registers the other tenant
+    root_id = make_repo(store, "root", unique_repo("platform"))
+    request.addfinalizer(lambda: _retire(store, root_id))  # root's records are searched by every other test
+    held_id = make_repo(store, held, "mine", holder=reader)
+    cache_id = make_repo(store, "acme", cache, visibility="principal")
+    named_id = make_repo(store, "acme", f"{name}-2")  # under a named owner, but no grant names the repo
+    clone = partial(clone_record, store, pub.key)
+    # Oldest first; within a rank the newest answers first.
+    visible = {"root-1": clone(repo_id=root_id), "held-1": clone(repo_id=held_id)}
+    visible["root-2"] = clone(repo_id=root_id)
+    visible["cache-own"] = clone(repo_id=cache_id, publisher=reader)
+    visible["held-2"] = clone(repo_id=held_id)
+    clone(repo_id=held_id, key=visible["root-1"])  # the same key held twice: root's record is the best
+    expected = [visible["root-2"], visible["root-1"], visible["held-2"], visible["held-1"], visible["cache-own"],
+                pub.key]
+
+    def hide_some() -> list[str]:
+        """Records the reader cannot read or does not search, of the same declaration (and some keys)."""
+        other_id = make_repo(store, other, unique_repo(), holder=f"{other}-tenant")
+        neighbour = f"{reader}-{uuid.uuid4().hex[:8]}"
+        return [clone(repo_id=cache_id, publisher=neighbour), clone(repo_id=other_id),
+                clone(repo_id=named_id), clone(repo_id=other_id, key=visible["held-2"]),
+                clone(repo_id=cache_id, publisher=neighbour, key=visible["cache-own"])]
+
+    keys = [*visible.values(), pub.key, "ck1-" + "0" * 56]
+    with store.client(token) as client:
+        answers = [(discover(client, declaration(pub, limit=limit)).content, limit)
+                   for limit in (MAX_DISCOVER_LIMIT, 3)]
+        resolved = client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": keys}).content
+        hidden = [key for key in hide_some() + hide_some() if key not in keys]  # new keys: misses for the reader
+        with captured(store, "compiled_graphs.discovery_digest") as statements:
+            again = [(discover(client, declaration(pub, limit=limit)).content, limit) for _, limit in answers]
+        assert client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": keys + hidden}).content == \
+            resolved[:-2] + b"," + b",".join(b'{"key":"%s","status":"miss"}' % k.encode() for k in hidden) + b"]}"
+    assert again == answers
+    for content, limit in answers:
+        assert [c.key for c in DiscoverAnswer.model_validate_json(content).candidates] == expected[:limit]
+    by_key = {a.key: a for a in ResolveAnswer.model_validate_json(resolved).answers}
+    assert by_key[visible["root-1"]].repo.startswith("root/") and by_key["ck1-" + "0" * 56].status == "miss"
+    assert {by_key[k].status for k in keys[:-1]} == {"hit"}
+    # The records statement itself: re-run, it returns exactly the answer's rows (not every match, then filtered).
+    assert [len(rows_of(store, statement)) for statement in statements] == [len(expected), 3]
+
+
+def test_an_explanation_counts_only_what_the_caller_may_read(store, pt2_archive, report_a, constants_a):
+    """Other tenants' newer records of the family (``MAX_EXAMINED`` of them) neither crowd the caller's own
+    out of an explained miss nor show in it: before, the newest records of the family were read across all
+    tenants and filtered in Python, so they left the caller with "no record of family … this token may read"."""
+    from cgstore.compiled_graphs.explain import MAX_EXAMINED
+
+    name, family = unique_repo(), f"crowded-{uuid.uuid4().hex[:8]}"
+    token = store.mint("minter", f"acme/{name}:read,write")
+    pub = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(),
+                      family=family)
+    with store.client(token) as client:
+        assert publish(client, "acme", name, pub).status_code == 201
+        asked = {**declaration(pub, release="endpoint-8"), "explain": True}
+        before = discover(client, asked).content
+        other = f"other-{uuid.uuid4().hex[:8]}"
+        store.mint(f"{other}-tenant", f"{other}/*:read")  # registers the tenant holding ``other``
+        repo_id = make_repo(store, other, unique_repo(), holder=f"{other}-tenant")
+        clone_records(store, pub.key, [(repo_id, None, None)] * MAX_EXAMINED)
+        after = discover(client, asked).content
+    assert after == before
+    assert b'"records":1' in after and f"acme/{name}".encode() in after
+
+
+def _retire(store, repo_id: int) -> None:
+    """Yank every live record of a repo (straight in the database)."""
+    with store.context.db.session() as session:
+        session.execute(update(CompiledGraph).where(CompiledGraph.repo_id == repo_id, CompiledGraph.yanked_at.is_(None))
+                        .values(yanked_at=utcnow(), yanked_by="test", yank_reason="test over"))
+
+
+@contextlib.contextmanager
+def captured(store, marker: str):
+    """The (statement, parameters) the store runs meanwhile whose text holds ``marker``."""
+    engine, statements = store.context.db.engine, []
+
+    def keep(conn, cursor, statement, parameters, context, executemany):
+        if marker in statement:
+            statements.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", keep)
+    try:
+        yield statements
+    finally:
+        event.remove(engine, "before_cursor_execute", keep)
+
+
+def rows_of(store, statement) -> list:
+    with store.context.db.engine.connect() as conn:
+        return conn.exec_driver_sql(*statement).all()

@@ -26,7 +26,7 @@ from tests.hostile.corpus import rewrite
 from tests.support.archives import archive_report
 from tests.support.live_store import unique_repo
 from tests.support.proxy import CuttableProxy
-from tests.support.services import use_test_aws_credentials
+from tests.support.services import use_s3_credentials
 
 RACERS = 8
 #: Cuts spread evenly over one publish's duration.
@@ -92,7 +92,7 @@ def test_simultaneous_different_artifacts_one_201_seven_409(store, pt2_archive, 
 @pytest.fixture
 def cut_store(make_store, pg_url, s3_server):
     """A store reaching PostgreSQL and S3 through cuttable proxies: ``(live, db_proxy, s3_proxy)``."""
-    use_test_aws_credentials()
+    use_s3_credentials(s3_server)
     db_proxy = CuttableProxy(5432)
     s3_proxy = CuttableProxy(int(s3_server.endpoint_url.rsplit(":", 1)[1]))
     try:

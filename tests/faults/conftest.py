@@ -19,7 +19,7 @@ import pytest
 from cgstore.settings import Settings
 from tests.support.faults import PrivatePostgres, StoppableS3, private_postgres, stoppable_s3
 from tests.support.invariants import violations
-from tests.support.services import REPO_ROOT, S3_ENV, use_test_aws_credentials
+from tests.support.services import REPO_ROOT, use_s3_credentials
 
 
 @dataclass
@@ -35,6 +35,7 @@ class FaultWorld:
             "CGSTORE_DATABASE_URL": self.pg.url,
             "CGSTORE_STORAGE_URL": self.s3.storage_url,
             "CGSTORE_REDIRECT_DOWNLOADS": "false",
+            **self.s3.server.credentials,
         }
 
     @property
@@ -44,7 +45,7 @@ class FaultWorld:
     def token(self, sub: str, grant: str) -> str:
         """A token minted by the CLI against this world's database and signing key."""
         if (sub, grant) not in self.tokens:
-            env = {**os.environ, **S3_ENV, **self.env, "CGSTORE_HOME": str(self.home)}
+            env = {**os.environ, **self.env, "CGSTORE_HOME": str(self.home)}
             cli = [sys.executable, "-m", "cgstore.cli"]
             subprocess.run([*cli, "db", "upgrade"], env=env, check=True, cwd=REPO_ROOT, capture_output=True)
             minted = subprocess.run(
@@ -60,7 +61,7 @@ class FaultWorld:
 
 @pytest.fixture(scope="module")
 def world(s3_server, tmp_path_factory) -> Iterator[FaultWorld]:
-    use_test_aws_credentials()  # the checker reads the bucket from this process
+    use_s3_credentials(s3_server)  # the checker reads the bucket from this process
     with private_postgres() as pg, stoppable_s3(s3_server) as s3:
         yield FaultWorld(pg, s3, tmp_path_factory.mktemp("faults-home"))
 

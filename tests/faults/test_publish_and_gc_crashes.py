@@ -24,7 +24,7 @@ import pytest
 from tests.compiled_graphs.support import CONSTANTS_A, publication, safetensors_bytes, upload_all
 from tests.faults.conftest import blob_of, unique_bytes
 from tests.support.archives import archive_report
-from tests.support.services import REPO_ROOT, S3_ENV, store_process
+from tests.support.services import REPO_ROOT, store_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 
@@ -64,7 +64,7 @@ def test_killed_inside_a_publish(world, pub, point, published):
 
 
 def _gc(world, *extra_env: tuple[str, str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, **S3_ENV, **world.env, "CGSTORE_HOME": str(world.home), "CGSTORE_LEASE_TTL_S": "2",
+    env = {**os.environ, **world.env, "CGSTORE_HOME": str(world.home), "CGSTORE_LEASE_TTL_S": "2",
            **dict(extra_env)}
     return subprocess.run(
         [sys.executable, "-m", "cgstore.cli", "gc", "--grace", "0s"],

@@ -9,7 +9,7 @@ import pytest
 
 from cgstore.settings import Settings
 from tests.support.live_store import LiveStore, running_store
-from tests.support.services import postgres_database, use_test_aws_credentials
+from tests.support.services import postgres_database, use_s3_credentials
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def replica_settings(s3_server, tmp_path) -> Iterator[Callable[..., Settings]]:
     so a session database whose rows name bytes in other buckets would make
     this bucket miss them.
     """
-    use_test_aws_credentials()
+    use_s3_credentials(s3_server)
     bucket = s3_server.create_bucket()
     key = tmp_path / "shared-signing-key.pem"
     counter = iter(range(1000))

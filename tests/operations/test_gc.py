@@ -60,7 +60,7 @@ def test_exactly_the_orphans_are_reclaimed_in_batches_after_a_matching_dry_run(r
     seed_rows(live, linked_orphans, OLD, repo_id, link_created_at=OLD)
     seed_rows(live, bare_orphans, OLD)
     # Every orphan's object but ten (already gone: deleting them still counts as done),
-    # and a tenth of the kept ones as witnesses that survive (all 10k would cost moto ~30 s).
+    # and a tenth of the kept ones as witnesses that survive (all 10k would cost S3 tens of seconds).
     already_missing = {b.digest for b in bare_orphans[:10]}
     witnesses = recently_linked[::10] + young_link[::10] + in_records[::10]
     write_objects(live, [b for b in orphans if b.digest not in already_missing] + witnesses)
@@ -331,10 +331,11 @@ def test_the_server_collects_periodically_under_the_lease_and_counts_it(tmp_path
 
 
 def test_writes_orphaned_longer_than_the_grace_are_reclaimed(registry):
-    """A process that died mid-write left an S3 multipart upload / a directory temp file."""
+    """A process that died mid-write left an S3 multipart upload / a directory temp file; a live write is spared."""
     live = registry
     storage = live.context.storage
-    digest = make_blobs(1, "orphaned-write")[0].digest
+    digest, young = (blob.digest for blob in make_blobs(2, "orphaned-write"))
+    grace_s = GRACE_S
     if isinstance(storage, FileStorage):
         stale = storage.tmp_dir / "dead-writer.tmp"
         stale.write_bytes(b"half a blob")
@@ -343,19 +344,27 @@ def test_writes_orphaned_longer_than_the_grace_are_reclaimed(registry):
         fresh = storage.tmp_dir / "live-writer.tmp"
         fresh.write_bytes(b"being written")
     else:
-        # moto dates every multipart upload in 2010: older than any grace.
+        # S3 dates an upload by its creation (to the second) and cannot be told otherwise:
+        # the grace is seconds here, the dead writer's upload older than it, the live one younger.
+        grace_s = 2
         storage.client.create_multipart_upload(Bucket=storage.bucket, Key=storage.blob_key(digest))
-    gc.collect(live.context, dry_run=True, now=NOW, grace_s=GRACE_S)
+        time.sleep(grace_s + 1.5)
+        storage.client.create_multipart_upload(Bucket=storage.bucket, Key=storage.blob_key(young))
+
+    def pending() -> list[str]:
+        return sorted(u["Key"] for u in storage.client.list_multipart_uploads(Bucket=storage.bucket).get("Uploads", []))
+
+    gc.collect(live.context, dry_run=True, now=NOW, grace_s=grace_s)
     if isinstance(storage, FileStorage):  # a dry run touches nothing
         assert stale.exists()
     else:
-        assert len(storage.client.list_multipart_uploads(Bucket=storage.bucket).get("Uploads", [])) == 1
-    report = gc.collect(live.context, now=NOW, grace_s=GRACE_S)
+        assert len(pending()) == 2
+    report = gc.collect(live.context, now=NOW, grace_s=grace_s)
     assert report.sessions_reaped == 1
     if isinstance(storage, FileStorage):
         assert not stale.exists() and fresh.exists()
     else:
-        assert storage.client.list_multipart_uploads(Bucket=storage.bucket).get("Uploads", []) == []
+        assert pending() == [storage.blob_key(young)]
 
 
 def test_a_session_commit_of_a_condemned_blob_answers_503_and_keeps_the_session(registry):

@@ -37,8 +37,7 @@ from tests.compiled_graphs.support import (
     Blob as BlobBytes,
 )
 from tests.support.live_store import CONFIGURATIONS, unique_repo
-from tests.support.services import S3_ENV
-from tests.support.tamper import delete_object, flip_byte, put_raw
+from tests.support.tamper import delete_object, flip_byte, put_raw, rewrite_s3_object_multipart
 
 MiB = 1 << 20
 
@@ -90,8 +89,7 @@ def _cli_env(store) -> dict[str, str]:
         "CGSTORE_HOME": str(store.settings.home),
         "CGSTORE_DATABASE_URL": store.settings.resolved_database_url,
         "CGSTORE_STORAGE_URL": store.settings.resolved_storage_url,
-        **S3_ENV,
-    }
+    }  # the S3 keys: this process's AWS_* variables, as for the store in it
 
 
 def run_cli(store, *args: str):
@@ -142,6 +140,25 @@ def test_scrub_names_a_flipped_and_a_deleted_blob_and_resolve_stops_returning_th
     healed = run_cli(store, "--repo", world.repo)
     assert healed.exit_code == 0, healed.output
     assert "0 damaged" in healed.output
+
+
+@pytest.mark.parametrize("store", ["production"], indirect=True)  # an object rewritten through S3 itself
+def test_bytes_rewritten_in_s3_by_another_client_are_caught(world):
+    """The object of a blob is replaced in the bucket by another S3 client's multipart upload of
+    the same size (S3 takes it: a new ETag, the size unchanged); only reading the bytes back shows it."""
+    store = world.store
+    rewritten = world.component(2)
+    damaged = bytearray(rewritten.data)
+    damaged[len(damaged) // 2] ^= 0x40
+    etag = rewrite_s3_object_multipart(store, rewritten.digest, bytes(damaged))
+    assert etag.strip('"').endswith("-1")  # S3 itself wrote it, as one multipart part
+    assert store.context.storage.size(rewritten.digest) == len(rewritten.data)
+
+    result = run_cli(store, "--repo", world.repo)
+    assert result.exit_code == 1, result.output
+    assert f"corrupt {rewritten.digest}" in result.output and "1 damaged" in result.output
+    assert world.health() == ["ok", "ok", "blob_corrupt"]
+    assert world.resolved() == [True, True, False]
 
 
 def test_a_record_stays_out_while_any_of_its_blobs_is_damaged(world, pt2_archive, pt2_report):

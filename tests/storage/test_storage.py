@@ -1,7 +1,7 @@
 """The storage contract (storage/base.py), checked on both backends against real servers.
 
 Every test taking ``storage_case`` runs twice: ``fs`` (a directory in tmp_path)
-and ``s3`` (a fresh bucket on the session's ``moto_server``, reached by boto3
+and ``s3`` (a fresh bucket on the session's S3, Ceph's RADOS Gateway, reached by boto3
 over HTTP, with 5 MiB parts so multipart paths are cheap). Nothing is mocked:
 outages are real dead or silent sockets. After every failure path the tests
 look at what was left behind (``StorageCase.leftovers``): the contract is that
@@ -11,6 +11,7 @@ a failed or aborted write leaves nothing at all.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -45,7 +46,8 @@ from cgstore.storage.s3 import staging as s3_staging
 from cgstore.storage.s3.driver import COMPLETE_READ_TIMEOUT_S
 from cgstore.storage.s3.errors import s3_errors
 from cgstore.storage.s3.multipart import PartBuffers, ViewsReader
-from tests.support.services import free_port, moto_s3_server, stop_process, use_test_aws_credentials
+from tests.support.proxy import CuttableProxy
+from tests.support.services import free_port, use_s3_credentials
 from tests.support.storage_fixtures import (
     S3_TEST_CONCURRENCY,
     S3_TEST_PART_BYTES,
@@ -643,9 +645,10 @@ def assert_unavailable_quickly(name: str, operation) -> None:
     assert time.monotonic() - started < 10, name
 
 
-def test_dead_s3_is_unavailable_within_seconds(tmp_path, big_data):
-    """A dedicated moto_server is stopped under a storage that was using it."""
-    with moto_s3_server() as doomed:
+def test_dead_s3_is_unavailable_within_seconds(s3_server, tmp_path, big_data):
+    """The S3 a storage was using disappears (its door is closed: every connection dropped, none accepted)."""
+    with contextlib.closing(CuttableProxy(int(s3_server.endpoint_url.rsplit(":", 1)[1]))) as door:
+        doomed = dataclasses.replace(s3_server, endpoint_url=f"http://127.0.0.1:{door.port}")
         case = build_storage_case("s3", tmp_path, doomed)
         storage = case.storage
         kept = b"written before the outage"
@@ -654,7 +657,7 @@ def test_dead_s3_is_unavailable_within_seconds(tmp_path, big_data):
         in_flight = storage.writer(blake3_digest(big_data), len(big_data))
         for piece in chunked(big_data[: PART + MiB], MiB):  # one part uploaded
             in_flight.write(piece)
-        stop_process(doomed.process)
+        door.cut()
 
         def finish_in_flight() -> None:
             for piece in chunked(big_data[PART + MiB :], MiB):
@@ -678,16 +681,16 @@ def test_dead_s3_is_unavailable_within_seconds(tmp_path, big_data):
             assert_unavailable_quickly(name, operation)
 
 
-def test_unreachable_endpoint_is_unavailable(tmp_path):
-    use_test_aws_credentials()
+def test_unreachable_endpoint_is_unavailable(s3_server, tmp_path):
+    use_s3_credentials(s3_server)
     storage = S3Storage("bucket", endpoint_url=f"http://127.0.0.1:{free_port()}", region="us-east-1")
     assert_unavailable_quickly("ping", storage.ping)
     assert_unavailable_quickly("write", lambda: write_blob(storage, b"x"))
 
 
-def test_silent_s3_times_out_as_unavailable():
+def test_silent_s3_times_out_as_unavailable(s3_server):
     """A store that accepts connections and never answers: bounded by read timeout × attempts."""
-    use_test_aws_credentials()
+    use_s3_credentials(s3_server)
     with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:
         port = silent.getsockname()[1]
         storage = S3Storage(
@@ -697,7 +700,7 @@ def test_silent_s3_times_out_as_unavailable():
 
 
 def test_missing_bucket_is_unavailable(s3_server):
-    use_test_aws_credentials()
+    use_s3_credentials(s3_server)
     storage = S3Storage("no-such-bucket-here", endpoint_url=s3_server.endpoint_url, region="us-east-1")
     assert_unavailable_quickly("ping", storage.ping)
     assert_unavailable_quickly("write", lambda: write_blob(storage, b"x"))
@@ -734,10 +737,8 @@ def test_sweep_orphans_reclaims_writes_of_dead_processes(storage_case, big_data)
     dead = open_storage(storage_case.settings)
     orphan = start_multipart_write(dead, big_data)  # its process "dies" mid-write
     assert storage_case.keys("tmp") or storage_case.pending_multipart()
-    if storage_case.kind == "fs":
-        # A young write is not an orphan. (moto reports every multipart upload as
-        # initiated in 2010, so on S3 only the reclaiming itself can be checked.)
-        assert storage_case.storage.sweep_orphans(3600) == 0
+    # A young write is not an orphan (S3 dates a multipart upload by its creation).
+    assert storage_case.storage.sweep_orphans(3600) == 0
     time.sleep(0.01)
     assert storage_case.storage.sweep_orphans(0) == 1
     orphan.abort()  # still safe
@@ -745,7 +746,7 @@ def test_sweep_orphans_reclaims_writes_of_dead_processes(storage_case, big_data)
 
 
 def test_s3_sweep_spares_the_writes_in_flight_of_its_own_process(s3_server, tmp_path, big_data):
-    """moto says every upload was initiated in 2010: only knowing our own writers keeps them alive."""
+    """A sweep of everything (threshold 0) takes every upload for old: only knowing our own writers keeps them alive."""
     case = build_storage_case("s3", tmp_path, s3_server)
     live = start_multipart_write(case.storage, big_data)
     dead_data = os.urandom(2 * PART)
@@ -849,7 +850,7 @@ def test_s3_complete_of_a_vanished_upload_is_unavailable_and_leaves_nothing(s3_s
 
 
 class SlowCompleteProxy:
-    """A TCP relay to moto_server that holds back every answer to CompleteMultipartUpload
+    """A TCP relay to the S3 that holds back every answer to CompleteMultipartUpload
     (``POST <key>?uploadId=…``) by ``delay_s`` and counts those requests: S3 assembling a
     big object slowly, as seen from the client."""
 

@@ -4,7 +4,7 @@ Each driver only streams bytes to a key and publishes or discards them, reads
 ranges, stats, lists by prefix with a cursor, deletes and presigns; it knows
 nothing of digests. ``Storage.writer`` (``storage/writer.py``) verifies for
 every driver alike. Run on both drivers (``storage_case``: a directory and a
-real moto_server bucket under a key prefix).
+real bucket of the session's S3, Ceph's RADOS Gateway, under a key prefix).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ The machine's PostgreSQL is shared by the whole test session, so stopping it
 would fail every other test: the fault suite runs its own throwaway cluster
 (``initdb`` into a temp directory, as the ``postgres`` user when we are root)
 and stops it with ``pg_ctl -m immediate`` — the way a crash or a kill -9 of
-the database looks to the store. ``moto_server`` keeps its objects in memory,
-so stopping its process would also destroy the bucket; the store instead
+the database looks to the store. The session's S3 (Ceph's RADOS Gateway) is
+shared by the whole session too, and takes seconds to restart; the store instead
 reaches it through a :class:`~tests.support.proxy.CuttableProxy`, and
 "stopping S3" closes that door (every connection dropped, new ones refused),
 which is what the store sees when the S3 server goes away.
@@ -98,7 +98,7 @@ def private_postgres() -> Iterator[PrivatePostgres]:
 
 @dataclass
 class StoppableS3:
-    """The session's moto_server behind a door the test can close."""
+    """The session's S3 behind a door the test can close."""
 
     server: S3Server
     proxy: CuttableProxy

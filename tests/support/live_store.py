@@ -2,7 +2,7 @@
 
 ``embedded``: SQLite + a local directory (the default a newcomer runs).
 ``production``: PostgreSQL (a fresh database of the machine's cluster) + S3
-(``moto_server`` in its own process, reached through boto3 over HTTP).
+(Ceph's RADOS Gateway, in its own processes, reached through boto3 over HTTP).
 Every API test takes the ``store`` fixture and so runs against both.
 """
 
@@ -25,7 +25,7 @@ from cgstore.context import StoreContext
 from cgstore.core import migrate
 from cgstore.core.serving import server_options
 from cgstore.settings import Settings
-from tests.support.services import S3Server, free_port, use_test_aws_credentials
+from tests.support.services import S3Server, free_port, use_s3_credentials
 
 CONFIGURATIONS = ("embedded", "production")
 
@@ -105,8 +105,8 @@ def settings_for(
     A database and a bucket go together: a store that shares a database must share
     its bucket too, or the blob rows it meets name bytes its bucket lacks.
     """
-    # The reaper runs only when a test asks for it: moto dates every multipart upload
-    # in 2010, so a sweep would take a concurrent test's in-flight upload for an orphan.
+    # The reaper runs only when a test asks for it: its sweep of a shared bucket would
+    # take a concurrent test's in-flight upload (of another store) for an orphan.
     overrides.setdefault("reaper_interval_s", 3600)
     # /metrics is closed without a token; every test store has one so tests can scrape it.
     overrides.setdefault("metrics_token", secrets.token_urlsafe(24))
@@ -114,6 +114,6 @@ def settings_for(
     overrides.setdefault("console_aggregates_s", 0)
     if configuration == "embedded":
         return Settings(home=home, **overrides)
-    use_test_aws_credentials()
+    use_s3_credentials(s3)
     bucket = bucket or s3.create_bucket()
     return Settings(home=home, database_url=pg_url, storage_url=s3.storage_url(bucket), **overrides)

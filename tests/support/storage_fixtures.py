@@ -2,7 +2,7 @@
 
 ``storage_case`` runs a test once per backend: ``fs`` (a directory in
 ``tmp_path``, opened from a ``file://`` URL) and ``s3`` (a fresh bucket, under a
-key prefix, on the session's real ``moto_server``, reached over HTTP). Both
+key prefix, on the session's real S3 — Ceph's RADOS Gateway — reached over HTTP). Both
 are built from ``Settings`` the way the app builds them. S3 runs with the
 smallest legal part size (5 MiB) so that multipart paths are cheap to reach.
 
@@ -24,7 +24,7 @@ from cgstore.settings import MiB, Settings
 from cgstore.storage import Storage, open_storage
 from cgstore.storage.fs import FileStorage
 from cgstore.storage.s3 import S3Storage
-from tests.support.services import S3Server, use_test_aws_credentials
+from tests.support.services import S3Server, use_s3_credentials
 
 BACKENDS = ("fs", "s3")
 S3_TEST_PART_BYTES = 5 * MiB
@@ -71,7 +71,7 @@ def build_storage_case(kind: str, tmp_path: Path, s3: S3Server | None, **overrid
         settings = Settings(home=tmp_path / "home", storage_url=(tmp_path / "store").as_uri(), **overrides)
         return StorageCase(kind, open_storage(settings), settings)
     assert s3 is not None
-    use_test_aws_credentials()
+    use_s3_credentials(s3)
     bucket = s3.create_bucket()
     options = {"s3_part_bytes": S3_TEST_PART_BYTES, "s3_max_concurrency": S3_TEST_CONCURRENCY, **overrides}
     url = f"s3://{bucket}/{S3_TEST_PREFIX}?endpoint_url={s3.endpoint_url}&region={s3.region}"

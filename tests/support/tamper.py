@@ -9,17 +9,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from cgstore.storage.hashing import blob_key, parse_digest
-from tests.support.services import S3_ENV
 
 
 def _s3_client(store):
-    """A boto3 client of its own (not the store's) on the store's endpoint."""
+    """A boto3 client of its own (not the store's) on the store's endpoint, with the
+    keys the store signs with (this process's ``AWS_*`` variables)."""
     import boto3
+    from botocore.config import Config
 
     storage = store.context.storage
-    return boto3.client("s3", endpoint_url=storage.client.meta.endpoint_url, region_name=S3_ENV["AWS_DEFAULT_REGION"],
-                        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
-                        aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"])
+    return boto3.client("s3", endpoint_url=storage.client.meta.endpoint_url,
+                        region_name=storage.client.meta.region_name,
+                        config=Config(request_checksum_calculation="when_required",
+                                      response_checksum_validation="when_required"))
 
 
 def flip_byte(store, digest: str, data: bytes, at: int = -1) -> None:
@@ -45,3 +47,16 @@ def delete_object(store, digest: str) -> None:
         _s3_client(store).delete_object(Bucket=storage.bucket, Key=storage.blob_key(digest))
     else:
         Path(storage.root, blob_key(parse_digest(digest))).unlink()
+
+
+def rewrite_s3_object_multipart(store, digest: str, data: bytes) -> str:
+    """Overwrite the S3 object of ``digest`` with ``data`` through a multipart upload of another
+    S3 client (S3's own write path, not the store's); returns the new object's ETag."""
+    storage = store.context.storage
+    s3, key = _s3_client(store), storage.blob_key(digest)
+    upload = s3.create_multipart_upload(Bucket=storage.bucket, Key=key)["UploadId"]
+    part = s3.upload_part(Bucket=storage.bucket, Key=key, UploadId=upload, PartNumber=1, Body=data)
+    s3.complete_multipart_upload(Bucket=storage.bucket, Key=key, UploadId=upload,
+                                 MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+    # RGW 16 answers CompleteMultipartUpload with an empty ETag; HEAD has the "-1" one.
+    return s3.head_object(Bucket=storage.bucket, Key=key)["ETag"]

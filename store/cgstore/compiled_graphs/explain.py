@@ -9,11 +9,14 @@ and for the nearest one which axes differ, with both values::
     3 records of gpt2 in root/family-gpt2; nearest differs in toolchain triton: 3.5.0 here, 3.4.0 recorded
 
 Only records the caller may read count, decided by the same rules as the
-search itself (``access.resolve_rank``, ``access.can_read_item``): another
-principal's private record, or a repo the token does not search, adds nothing
-to the count, the nearest or the family suggestions, so an explanation tells
-nothing a listing would not. The records examined are bounded (the newest
-``MAX_EXAMINED`` of the family; ``at_least`` then says the count is a floor).
+search itself: the records are read from the search plan's repos only, in a
+private cache only the caller's own (``access.readable_in``; issue 30 §2), so
+another principal's private record, or a repo the token does not search, adds
+nothing to the count, the nearest or the family suggestions, and cannot crowd
+the caller's own out of what is examined: an explanation tells nothing a
+listing would not. The records examined are bounded (the newest
+``MAX_EXAMINED`` of the family the caller may read; ``at_least`` then says the
+count is a floor).
 """
 
 from __future__ import annotations
@@ -47,22 +50,26 @@ _VISIBILITY_COLUMNS = (Repo.owner, Repo.name, Repo.visibility, Owner.principal.l
                        CompiledGraph.publisher)
 
 
-def explain_miss(session: Session, claims: Claims, request: DiscoverRequest, derived: Derived) -> MissExplanation:
-    """The explanation of a discover that matched nothing readable, from readable records only."""
+def explain_miss(
+    session: Session, claims: Claims, request: DiscoverRequest, derived: Derived,
+    searched: list[access.SearchedRepo],
+) -> MissExplanation:
+    """The explanation of a discover that matched nothing readable, from the readable records of ``searched``."""
+    readable = access.readable_in(searched, CompiledGraph.repo_id, CompiledGraph.publisher)
     rows = session.execute(
         select(*_VISIBILITY_COLUMNS, CompiledGraph.id, CompiledGraph.key, CompiledGraph.sm, CompiledGraph.envelope,
                CompiledGraph.toolchain, CompiledGraph.recorded_versions, CompiledGraph.release,
                CompiledGraph.binding_signature, CompiledGraph.code_fingerprint)
         .join(Repo, Repo.id == CompiledGraph.repo_id)
         .outerjoin(Owner, Owner.slug == Repo.owner)
-        .where(CompiledGraph.family == request.family, *_WHERE)
+        .where(CompiledGraph.family == request.family, readable, *_WHERE)
         .order_by(CompiledGraph.id.desc())
         .limit(MAX_EXAMINED)
     ).all()
     at_least = len(rows) == MAX_EXAMINED
-    readable = [(rank, row) for row in rows if (rank := _rank(claims, row)) is not None]
+    readable = [(rank, row) for row in rows if (rank := _rank(claims, row)) is not None]  # all of them, checked
     if not readable:
-        similar = _similar_families(session, claims, request.family)
+        similar = _similar_families(session, claims, request.family, searched)
         return MissExplanation(detail=_nothing_detail(request.family, similar), records=0,
                                similar_families=similar)
     repos = _repos_by_count(row for _, row in readable)
@@ -119,13 +126,13 @@ def _repos_by_count(rows: Iterable) -> list[str]:
     return sorted(counts, key=lambda repo: (-counts[repo], repo))
 
 
-def _similar_families(session: Session, claims: Claims, family: str) -> list[str]:
-    """Readable families spelled nearly like ``family`` (a typo), from a bounded look at the live records."""
+def _similar_families(session: Session, claims: Claims, family: str, searched: list[access.SearchedRepo]) -> list[str]:
+    """Readable families spelled nearly like ``family`` (a typo), from a bounded look at the readable live records."""
     rows = session.execute(
         select(CompiledGraph.family, *_VISIBILITY_COLUMNS)
         .join(Repo, Repo.id == CompiledGraph.repo_id)
         .outerjoin(Owner, Owner.slug == Repo.owner)
-        .where(*_WHERE)
+        .where(access.readable_in(searched, CompiledGraph.repo_id, CompiledGraph.publisher), *_WHERE)
         .distinct()
         .limit(MAX_FAMILY_ROWS)
     ).all()

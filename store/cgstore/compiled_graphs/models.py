@@ -5,9 +5,11 @@ rows whose ``yanked_at`` is NULL. The scope is empty, except in a private
 cache (visibility ``principal``), where it is the publisher: each tenant's
 cache holds its own record of a key, and one tenant's publish tells nothing
 of another's. A yanked record stays for audit, and the key can be
-published again. Resolve and listing read only live rows, through partial
-indexes, so their cost follows the number of keys asked or rows listed, not
-the size of the table.
+published again. Resolve, discover and listing read only live rows, through
+partial indexes, so their cost follows the number of keys asked or rows listed,
+not the size of the table; resolve's and discover's lead with what they match
+on, then ``(repo_id, publisher)``, so they touch only the rows the caller may
+read (``access`` "Resolving").
 """
 
 from __future__ import annotations
@@ -79,14 +81,17 @@ class CompiledGraph(Base):
         # Write-once: at most one live record per key in a repo (per publisher in a private cache).
         Index("uq_compiled_graphs_live_key", "repo_id", "key", "scope", unique=True,
               sqlite_where=_LIVE, postgresql_where=_LIVE),
-        # Resolve: key first (the worker asks by key), then family.
-        Index("ix_compiled_graphs_resolve", "key", "family", sqlite_where=_LIVE, postgresql_where=_LIVE),
+        # Resolve: key first (the worker asks by key), then family; then the searched repo and, in a
+        # private cache, the reader as publisher: only rows the caller may read are ever touched.
+        Index("ix_compiled_graphs_resolve", "key", "family", "repo_id", "publisher",
+              sqlite_where=_LIVE, postgresql_where=_LIVE),
         # Listing: keyset pagination by id within a repo (optionally one family).
         Index("ix_compiled_graphs_list", "repo_id", "id", sqlite_where=_LIVE, postgresql_where=_LIVE),
         Index("ix_compiled_graphs_list_family", "repo_id", "family", "id",
               sqlite_where=_LIVE, postgresql_where=_LIVE),
-        # Discover: every match shares the digest; the optional filters narrow within it.
-        Index("ix_compiled_graphs_discover", "discovery_digest", "binding_signature", "release",
+        # Discover: every match shares the digest; then, as for resolve, the searched repo and the
+        # reader (the optional filters narrow only the rows the caller may read).
+        Index("ix_compiled_graphs_discover", "discovery_digest", "repo_id", "publisher",
               sqlite_where=_LIVE, postgresql_where=_LIVE),
         # The admin views' unhealthy records: few rows, found without a scan.
         Index("ix_compiled_graphs_unhealthy", "id", sqlite_where=_UNHEALTHY, postgresql_where=_UNHEALTHY),

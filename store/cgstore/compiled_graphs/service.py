@@ -13,18 +13,21 @@ publish never learns of another's record. Nothing is written before admission
 passed, and the record only names blobs whose rows exist (foreign keys), so a
 record never points at bytes the database does not hold.
 
-Resolve answers up to ``MAX_RESOLVE_KEYS`` keys in two SQL statements
-whatever the count (one for the candidate records with their repos, one for
-their components), filters what the token may read and ranks the repos it
-searches (``access.resolve_rank``) in Python, and answers a
-miss identically for an absent, yanked, unhealthy or unreadable key.
+Resolve answers up to ``MAX_RESOLVE_KEYS`` keys in three SQL statements
+whatever the count: the search plan (the repos the token searches, ranked, and
+whose records each shows: ``access.searched_repos``), the best record per key
+among the live records of those repos only, and the chosen ones' components.
+Records the caller cannot read are never touched, so neither the answer nor
+its duration says anything about them; a miss is identical for an absent,
+yanked, unhealthy or unreadable key.
 
 Discover (issue 16) is resolve by declaration instead of by key: the records
 whose ``discovery_digest`` (stored at publish) is the declaration's, through
-the same two statements, visibility and ranking; a miss asked to explain
-itself is explained by ``explain.py`` from readable records only. A drift report counts a
-worker's disagreement on a readable record and audits it, rate-limited per
-token over the audit log.
+the same plan, visibility and ranking, the first ``limit`` chosen in SQL; a
+miss asked to explain itself is explained by ``explain.py`` from readable
+records only. A drift report counts a worker's disagreement on a readable
+record and audits it, rate-limited per principal and per record over the audit
+log.
 """
 
 from __future__ import annotations
@@ -36,12 +39,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from pydantic_core import to_json
-from sqlalchemy import ColumnElement, delete, exists, func, or_, select, update
+from sqlalchemy import ColumnElement, case, delete, exists, func, literal_column, or_, select, union_all, update
 from sqlalchemy.orm import Session
 
 from cgstore import access
 from cgstore.audit.denials import audit_refusal
-from cgstore.audit.models import AuditEvent
+from cgstore.audit.models import ACTOR_LEN, TARGET_LEN, AuditEvent
+from cgstore.audit.service import DETAIL_STRING_LEN, clean
 from cgstore.audit.service import record as audit
 from cgstore.blobs.models import Blob
 from cgstore.blobs.service import held_blobs, hold_blobs
@@ -66,7 +70,6 @@ from cgstore.core.errors import (
 from cgstore.core.faults import crash_point
 from cgstore.core.names import validate_owner, validate_repo
 from cgstore.core.private import private_dir
-from cgstore.owners.models import Owner
 from cgstore.repos.models import Repo
 from cgstore.repos.service import find_repo, readable_repo, write_decision, yank_decision
 from cgstore.tokens.claims import Claims
@@ -537,9 +540,8 @@ _RESOLVE_COLUMNS = (
     CompiledGraph.id, CompiledGraph.key, CompiledGraph.kind, CompiledGraph.format, CompiledGraph.family,
     CompiledGraph.lane, CompiledGraph.sm, CompiledGraph.graph_digest, CompiledGraph.envelope_digest,
     CompiledGraph.toolchain_digest, CompiledGraph.layout_display, CompiledGraph.layout_topology,
-    CompiledGraph.layout_quant, CompiledGraph.created_at, CompiledGraph.publisher,
-    CompiledGraph.artifact_digest, CompiledGraph.artifact_size, CompiledGraph.receipt,
-    Repo.owner, Repo.name, Repo.visibility, Owner.principal.label("holder"),
+    CompiledGraph.layout_quant, CompiledGraph.created_at, CompiledGraph.artifact_digest,
+    CompiledGraph.artifact_size, CompiledGraph.receipt, CompiledGraph.repo_id,
 )
 
 
@@ -552,26 +554,19 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for
         if not is_key(key):
             raise KeyInvalid("not a valid key", key=key[:120])
     with ctx.db.session() as session:
-        # Column rows through Core (the session's connection): the ORM's result
-        # machinery has nothing to add to plain columns and cost a tenth of a resolve.
-        candidates = session.connection().execute(
-            select(*_RESOLVE_COLUMNS)
-            .join(Repo, Repo.id == CompiledGraph.repo_id)
-            # The owner's holder, in the same statement: it ranks the repo (``access.resolve_rank``).
-            .outerjoin(Owner, Owner.slug == Repo.owner)
-            # The artifact's blob row must exist: a record never resolves to bytes the database lacks.
-            .join(Blob, Blob.digest == CompiledGraph.artifact_digest)
-            .where(
+        searched = _search_plan(session, claims)
+        best: dict[str, Any] = {}
+        if searched:
+            # Column rows through Core (the session's connection): the ORM's result
+            # machinery has nothing to add to plain columns and cost a tenth of a resolve.
+            best = {row.key: row for row in session.connection().execute(_best_per_key(session, searched, (
                 in_values(session, CompiledGraph.key, sorted(set(request.keys))),
                 CompiledGraph.family == request.family,
-                CompiledGraph.yanked_at.is_(None),
-                CompiledGraph.health == HEALTH_OK,
-            )
-        ).all()
-        best = _best_readable(ctx, claims, candidates)
+            ), _RESOLVE_COLUMNS))}
         components = _component_rows(session, [row.id for row in best.values()])
-    urls = urls_for(_blob_refs(best.values(), components))
-    hits = {key: _answer(key, row, components, urls) for key, row in best.items()}
+    repos = {repo.id: repo for repo in searched}
+    urls = urls_for(_blob_refs(best.values(), repos, components))
+    hits = {key: _answer(key, row, repos, components, urls) for key, row in best.items()}
     answers = [hits.get(key) or {"key": key, "status": "miss"} for key in request.keys]
     hit_count = sum(1 for key in request.keys if key in hits)
     ctx.metrics.count_resolve(request.family, hit_count, len(answers) - hit_count)
@@ -582,24 +577,64 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for
     return to_json({"answers": answers})
 
 
-def _best_readable(ctx: StoreContext, claims: Claims, candidates) -> dict[str, Any]:
-    """Per key, the record of the best-ranked searched repo (``access.resolve_rank``), then by name and id."""
-    ranks: dict[tuple[str, str], int | None] = {}
-    best: dict[str, Any] = {}
-    for row in candidates:
-        repo = (row.owner, row.name)
-        if repo not in ranks:
-            ranks[repo] = access.resolve_rank(claims, row.owner, row.name, holder=row.holder)
-        if ranks[repo] is None or not access.can_read_item(claims, row.visibility, row.publisher):
-            continue
-        current = best.get(row.key)
-        if current is None or _order(ranks, row) < _order(ranks, current):
-            best[row.key] = row
-    return best
+def _search_plan(session: Session, claims: Claims) -> list[access.SearchedRepo]:
+    """The repos a resolve or discover by ``claims`` searches, best first (``access.searched_repos``).
+
+    Read from the repos the caller can be searching at all
+    (``access.search_candidates``), so other tenants' repos, however many, are never read.
+    """
+    return access.searched_repos(claims, session.connection().execute(access.search_candidates(claims)))
 
 
-def _order(ranks: dict[tuple[str, str], int | None], row) -> tuple[int | None, str, str, int]:
-    return (ranks[(row.owner, row.name)], row.owner, row.name, row.id)
+def _best_per_key(
+    session: Session, searched: list[access.SearchedRepo], match: tuple, columns: tuple, *, limit: int | None = None
+):
+    """The statement of ``columns`` of the best live, healthy record per key among ``match``es in ``searched``.
+
+    Only rows the caller may read are ever touched: each searched repo's are
+    found through the index led by ``match``'s columns then ``(repo_id,
+    publisher)`` (``models.py``), in a private cache only the reader's own. The
+    best of a key is the record of the first searched repo, then the lowest id
+    (``access`` "Resolving"). With ``limit``: the first ``limit`` of them by
+    their repo's rank, then newest first (discover's order). The choosing
+    reads ids only; the records' columns are read for the chosen ones.
+    """
+    rank = _per_repo(searched, "rank").label("search_rank")
+    position = _per_repo(searched, "position").label("search_position")
+    branches = []
+    # One branch per reader (shared repos; private caches), each an index range the database can seek.
+    for reader in sorted({repo.reader for repo in searched}, key=lambda reader: reader or ""):
+        readable = access.readable_in([repo for repo in searched if repo.reader == reader],
+                                      CompiledGraph.repo_id, CompiledGraph.publisher)
+        branches.append(
+            select(CompiledGraph.id, CompiledGraph.key, rank, position)
+            # The artifact's blob row must exist: a record never resolves to bytes the database lacks.
+            # (No join to repos: the plan knows each searched repo's owner and name.)
+            .join(Blob, Blob.digest == CompiledGraph.artifact_digest)
+            .where(*match, readable, CompiledGraph.yanked_at.is_(None), CompiledGraph.health == HEALTH_OK)
+        )
+    if len(branches) == 1:
+        nth = func.row_number().over(partition_by=CompiledGraph.key, order_by=(position, CompiledGraph.id))
+        ranked = branches[0].add_columns(nth.label("nth")).subquery("ranked")
+    else:  # shared repos and private caches: one window over both
+        rows = union_all(*branches).subquery("candidates")
+        nth = func.row_number().over(partition_by=rows.c.key, order_by=(rows.c.search_position, rows.c.id))
+        ranked = select(rows.c.id, rows.c.search_rank, nth.label("nth")).subquery("ranked")
+    chosen = (select(*columns, ranked.c.search_rank).join(ranked, ranked.c.id == CompiledGraph.id)
+              .where(ranked.c.nth == 1))
+    if limit is None:
+        return chosen
+    return chosen.order_by(ranked.c.search_rank, CompiledGraph.id.desc()).limit(limit)
+
+
+def _per_repo(searched: list[access.SearchedRepo], field: str):
+    """SQL: a searched repo's ``field`` by the record's repo id.
+
+    Integers the plan computed, rendered inline: typed as integers on both
+    databases, and no bound parameters beyond the repo ids' own.
+    """
+    return case({literal_column(str(int(repo.id))): literal_column(str(int(getattr(repo, field))))
+                 for repo in searched}, value=CompiledGraph.repo_id)
 
 
 def _component_rows(session: Session, record_ids: list[int]) -> dict[int, list[tuple[str, str, int]]]:
@@ -619,22 +654,30 @@ def _component_rows(session: Session, record_ids: list[int]) -> dict[int, list[t
     return by_record
 
 
-def _blob_refs(rows: Iterable, components: dict[int, list[tuple[str, str, int]]]) -> list[BlobRef]:
+#: The searched repos by id (``_search_plan``): a found row's owner and name, known before any record was read.
+SearchedById = dict[int, access.SearchedRepo]
+
+
+def _blob_refs(rows: Iterable, repos: SearchedById, components: dict[int, list[tuple[str, str, int]]]) -> list[BlobRef]:
     refs = []
     for row in rows:
-        refs.append((row.owner, row.name, row.artifact_digest))
-        refs += [(row.owner, row.name, digest) for _, digest, _ in components.get(row.id, [])]
+        owner, name = repos[row.repo_id].owner, repos[row.repo_id].name
+        refs.append((owner, name, row.artifact_digest))
+        refs += [(owner, name, digest) for _, digest, _ in components.get(row.id, [])]
     return refs
 
 
-def _answer(key: str, row, components: dict[int, list[tuple[str, str, int]]], urls: dict[BlobRef, str]) -> dict:
+def _answer(
+    key: str, row, repos: SearchedById, components: dict[int, list[tuple[str, str, int]]], urls: dict[BlobRef, str]
+) -> dict:
     """One hit as plain data, keys in the wire types' field order (``ResolveHit``, ``ComponentDownload``).
 
     ``row`` starts with ``_RESOLVE_COLUMNS`` (discover's rows carry more after them).
     """
     (record_id, record_key, kind, format_, family, lane, sm, graph, envelope_digest, toolchain_digest,
-     layout_display, layout_topology, layout_quant, created_at, _, artifact_digest, artifact_size, receipt,
-     owner, name, _, _) = row[:len(_RESOLVE_COLUMNS)]
+     layout_display, layout_topology, layout_quant, created_at, artifact_digest, artifact_size, receipt,
+     repo_id) = row[:len(_RESOLVE_COLUMNS)]
+    owner, name = repos[repo_id].owner, repos[repo_id].name
     layout = None
     if layout_display is not None:
         layout = {"display": layout_display, "topology": layout_topology, "quant": layout_quant}
@@ -664,10 +707,11 @@ def _answer(key: str, row, components: dict[int, list[tuple[str, str, int]]], ur
 def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_for: UrlsFor) -> bytes:
     """The live records matching a declaration, best first, in resolve's hit shape; the answer's JSON.
 
-    Visibility and ranking are resolve's (``_best_readable``): per key the
-    best-ranked readable record, then keys ordered by that rank, newest first.
-    Two statements whatever the table holds (the records through
-    ``ix_compiled_graphs_discover``, then the chosen ones' components); an
+    Visibility and ranking are resolve's (``_best_per_key``): per key the
+    best-ranked readable record, then keys ordered by that rank, newest first,
+    at most ``limit``, all decided in SQL over the rows the caller may read.
+    Three statements whatever the table holds (the search plan, the records
+    through ``ix_compiled_graphs_discover``, the chosen ones' components); an
     answer with nothing readable is the same bytes as one with nothing at all.
     """
     admission.check_family(request.family)
@@ -677,16 +721,21 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     if request.binding_signature is not None and not is_binding_signature(request.binding_signature):
         raise MetadataInvalid("binding_signature must be 'bs1:' + 64 lowercase hex (cgstore_client.binding)",
                               binding_signature=request.binding_signature)
+    digest = admission.discovery_of(request.family, request.sm, derived)
     with ctx.db.session() as session:
-        candidates = session.connection().execute(_discover_query(request, admission.discovery_of(
-            request.family, request.sm, derived))).all()
-        best = _best_readable(ctx, claims, candidates)
-        ranks = {row.key: access.resolve_rank(claims, row.owner, row.name, holder=row.holder) for row in best.values()}
-        chosen = sorted(best.values(), key=lambda row: (ranks[row.key], -row.id))[:request.limit]
+        searched = _search_plan(session, claims)
+        chosen = []
+        if searched:
+            chosen = session.connection().execute(_best_per_key(
+                session, searched, _discover_match(request, digest),
+                (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release), limit=request.limit,
+            )).all()
         components = _component_rows(session, [row.id for row in chosen])
-        miss = explain.explain_miss(session, claims, request, derived) if request.explain and not chosen else None
-    urls = urls_for(_blob_refs(chosen, components))
-    found = [{**_answer(row.key, row, components, urls), "binding_signature": row.binding_signature,
+        miss = explain.explain_miss(session, claims, request, derived, searched) if request.explain and not chosen \
+            else None
+    repos = {repo.id: repo for repo in searched}
+    urls = urls_for(_blob_refs(chosen, repos, components))
+    found = [{**_answer(row.key, row, repos, components, urls), "binding_signature": row.binding_signature,
               "release": row.release} for row in chosen]
     answer: dict[str, Any] = {"candidates": found}  # built in ``DiscoverAnswer``'s field order, as resolve's is
     if miss is not None:
@@ -694,32 +743,27 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     return to_json(answer)
 
 
-def _discover_query(request: DiscoverRequest, digest: str):
-    query = (
-        select(*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release)
-        .join(Repo, Repo.id == CompiledGraph.repo_id)
-        .outerjoin(Owner, Owner.slug == Repo.owner)
-        .join(Blob, Blob.digest == CompiledGraph.artifact_digest)
-        .where(
-            CompiledGraph.discovery_digest == digest,
-            CompiledGraph.yanked_at.is_(None),
-            CompiledGraph.health == HEALTH_OK,
-        )
-    )
+def _discover_match(request: DiscoverRequest, digest: str) -> tuple:
+    """What a record must have to match ``request`` (its discovery ``digest``, then the optional filters)."""
+    match = [CompiledGraph.discovery_digest == digest]
     if request.release is not None:
-        query = query.where(CompiledGraph.release == request.release)
+        match.append(CompiledGraph.release == request.release)
     if request.binding_signature is not None:
-        query = query.where(CompiledGraph.binding_signature == request.binding_signature)
+        match.append(CompiledGraph.binding_signature == request.binding_signature)
     if request.code is not None:  # only records that recorded their code can differ from it
-        query = query.where(or_(CompiledGraph.code_fingerprint.is_(None), CompiledGraph.code_fingerprint == request.code))
-    return query
+        match.append(or_(CompiledGraph.code_fingerprint.is_(None), CompiledGraph.code_fingerprint == request.code))
+    return tuple(match)
 
 
 # -- drift reports ------------------------------------------------------------------------------
 
-#: Drift reports one token may make per ``REPORT_WINDOW_S`` (beyond: 429, ``Retry-After``).
+#: Drift reports one principal may make per ``REPORT_WINDOW_S``, over all its tokens (beyond: 429, ``Retry-After``).
 REPORTS_PER_WINDOW = 10
+#: Drift reports one record may receive per ``REPORT_WINDOW_S``, from all principals together.
+REPORTS_PER_RECORD = 3
 REPORT_WINDOW_S = 60
+#: Longest drift-report reason (a diagnostic line: the client's names two graph digests in about 190).
+MAX_REPORT_REASON_CHARS = 256
 
 
 def report_drift(
@@ -728,35 +772,50 @@ def report_drift(
     """Count a worker's report that the record's graph is not its live model; audited, never yanks.
 
     Any token that can read the record may report (others get the 404 an absent
-    key gets). The rate limit counts the token's report entries in the audit
-    log, after appending its own: appends are serialized by the chain head, so
-    racing reports cannot all slip under the limit, and a refused one leaves
-    nothing (its transaction rolls back).
+    key gets). Two limits count the report entries in the audit log, after
+    appending this one: the principal's (``sub``: attenuation keeps it, so a
+    token's children share their root's count) and the record's. Appends are
+    serialized by the chain head, so racing reports cannot all slip under a
+    limit, and a refused one leaves nothing (its transaction rolls back).
     """
+    if len(report.reason) > MAX_REPORT_REASON_CHARS:
+        raise MetadataInvalid(f"reason is longer than {MAX_REPORT_REASON_CHARS} characters",
+                              field="reason", limit=MAX_REPORT_REASON_CHARS)
+    target_name = f"{owner}/{repo}:{key}"
     with ctx.db.session() as session:
         target, live = _readable_record(session, ctx, claims, owner, repo, key)
         session.execute(update(CompiledGraph).where(CompiledGraph.id == live.id)
                         .values(drift_reports=CompiledGraph.drift_reports + 1))
-        audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_REPORT, target=f"{owner}/{repo}:{key}",
+        audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_REPORT, target=target_name,
               repo=f"{owner}/{repo}",
               detail={"measured_graph": report.measured_graph, "reason": report.reason,
                       "graph": live.graph_digest, "publisher": live.publisher})
-        _within_report_limit(session, claims)
+        _within_report_limits(session, claims, target_name, live.publisher)
         session.refresh(live)
         components = _components_of(session, [live.id])
     return to_record(target, live, components.get(live.id, []))
 
 
-def _within_report_limit(session: Session, claims: Claims) -> None:
+def _within_report_limits(session: Session, claims: Claims, target: str, publisher: str) -> None:
+    """The principal's limit, then the record's; each counted over the audit log's last ``REPORT_WINDOW_S``.
+
+    Entries are matched in their stored form (``audit.service.clean``). A record
+    is its audit target and its publisher: in a private cache each publisher's
+    record of a key is its own, so one tenant's reports never count against, or
+    reveal, another's record of the same key.
+    """
     since = utcnow() - dt.timedelta(seconds=REPORT_WINDOW_S)
-    made, oldest = session.execute(
-        select(func.count(), func.min(AuditEvent.at))
-        .where(AuditEvent.jti == claims.jti, AuditEvent.action == ACTION_REPORT, AuditEvent.at >= since)
-    ).one()
-    if made > REPORTS_PER_WINDOW:
-        wait = REPORT_WINDOW_S - (utcnow() - oldest).total_seconds()
-        raise RateLimited(f"at most {REPORTS_PER_WINDOW} drift reports per token per {REPORT_WINDOW_S} s",
-                          retry_after_s=max(1, math.ceil(wait)), limit=REPORTS_PER_WINDOW)
+    reports = (AuditEvent.action == ACTION_REPORT, AuditEvent.at >= since)
+    by_principal = AuditEvent.actor == clean(claims.sub, ACTOR_LEN)
+    on_record = (AuditEvent.target == clean(target, TARGET_LEN),
+                 AuditEvent.detail["publisher"].as_string() == clean(publisher, DETAIL_STRING_LEN))
+    limits = (((by_principal,), REPORTS_PER_WINDOW, "principal"), (on_record, REPORTS_PER_RECORD, "record"))
+    for where, limit, per in limits:
+        made, oldest = session.execute(select(func.count(), func.min(AuditEvent.at)).where(*reports, *where)).one()
+        if made > limit:
+            wait = REPORT_WINDOW_S - (utcnow() - oldest).total_seconds()
+            raise RateLimited(f"at most {limit} drift reports per {per} per {REPORT_WINDOW_S} s",
+                              retry_after_s=max(1, math.ceil(wait)), limit=limit, per=per)
 
 
 # -- garbage collection's view of records -----------------------------------------------------

@@ -8,7 +8,7 @@ from prometheus_client import generate_latest
 
 from cgstore import access
 from cgstore.context import StoreContext
-from cgstore.core.errors import NameUnknown
+from cgstore.core.errors import NameUnknown, StoreError
 from cgstore_client.wire.records import MAX_RESOLVE_KEYS
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,9 @@ def readiness(ctx: StoreContext) -> dict[str, str]:
 def _check(ping) -> str:
     try:
         ping()
+    except StoreError as err:  # its message is written for clients: what failed, never where
+        log.warning("readiness check failed: %s", err)
+        return f"unavailable: {err.message}"
     except Exception as err:  # any failure means "not ready"; the reason is reported, not raised
         log.warning("readiness check failed: %s", err)
         return f"unavailable: {type(err).__name__}"

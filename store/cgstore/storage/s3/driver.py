@@ -32,7 +32,7 @@ from cgstore.core.errors import Unavailable
 from cgstore.settings import parse_s3_url
 from cgstore.storage.base import ObjectInfo, ObjectMissing, Storage
 from cgstore.storage.presign import BatchPresigner
-from cgstore.storage.s3.errors import error_code, is_missing, s3_errors, stream_body
+from cgstore.storage.s3.errors import error_code, is_missing, ping_failure, s3_errors, stream_body
 from cgstore.storage.s3.multipart import MIN_PART_BYTES, Bucket, MiB, StreamingUpload
 from cgstore.storage.s3.staging import StagedUploads
 from cgstore.storage.writer import PendingObject, StagedUpload, StageWriter
@@ -242,7 +242,7 @@ class S3Storage(Storage):
                 self.client.head_bucket(Bucket=self.bucket)
             except ClientError as exc:  # a missing bucket is an outage to the service, too
                 code, status = error_code(exc)
-                raise Unavailable("bucket not reachable", bucket=self.bucket, code=code, status=status) from exc
+                raise Unavailable(ping_failure(code, status), bucket=self.bucket, code=code, status=status) from exc
 
     def sweep_orphans(self, older_than_s: float) -> int:
         """Abort blob multipart uploads (processes killed mid-write) older than ``older_than_s``.

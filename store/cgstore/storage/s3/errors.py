@@ -89,6 +89,16 @@ def s3_errors(operation: str) -> Iterator[None]:
         raise Unavailable("object storage unreachable", operation=operation, cause=type(exc).__name__) from exc
 
 
+def ping_failure(code: str, status: int) -> str:
+    """What an operator reads in ``/readyz`` when the bucket's HEAD fails (a HEAD answer has no body:
+    the status is all S3 says)."""
+    if status == 403 or code in {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"}:
+        return f"S3 refused the store's credentials for the bucket ({status} {code}): check its AWS keys"
+    if status == 404 or code == "NoSuchBucket":
+        return "the bucket does not exist"
+    return f"bucket not reachable ({status} {code})"
+
+
 def stream_body(body) -> Iterator[bytes]:
     """Yield an object's body in bounded chunks; mid-stream failures are outages."""
     try:
