@@ -12,7 +12,7 @@ from sqlalchemy import event, select, update
 
 from cgstore.audit.models import AuditEvent
 from cgstore.compiled_graphs.models import CompiledGraph
-from cgstore.compiled_graphs.service import REPORTS_PER_RECORD
+from cgstore.compiled_graphs.reports import REPORTS_PER_RECORD
 from cgstore.core.db import utcnow
 from cgstore_client.binding import signature_from_table
 from cgstore_client.wire.discovery import MAX_DISCOVER_LIMIT, DiscoverAnswer

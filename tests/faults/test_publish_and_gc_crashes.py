@@ -1,6 +1,6 @@
 """SIGKILL inside a publish and inside a garbage collection: a record is whole or absent, never partial.
 
-Publish points (``compiled_graphs/service.py``): ``publish.admitted`` (the
+Publish points (``compiled_graphs/publishing.py``): ``publish.admitted`` (the
 archive was read and admitted, nothing written), ``publish.inserted`` (record,
 components and audit written, the transaction not committed) and
 ``publish.committed`` (committed, the answer not sent). After each the key is

@@ -165,7 +165,7 @@ def test_a_bare_id_as_listing_cursor_is_refused(store, repo, cursor):
 
 def sealed(store, name: str, position: int) -> str:
     """The cursor the store would hand out for ``position`` in ``acme/<name>``'s listing."""
-    from cgstore.compiled_graphs.service import cursor_scope
+    from cgstore.compiled_graphs.records import cursor_scope
     from cgstore.repos.service import find_repo
 
     with store.context.db.session() as session:

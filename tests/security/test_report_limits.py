@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 
 from cgstore.audit.models import AuditEvent
 from cgstore.compiled_graphs.models import CompiledGraph
-from cgstore.compiled_graphs.service import MAX_REPORT_REASON_CHARS, REPORTS_PER_RECORD, REPORTS_PER_WINDOW
+from cgstore.compiled_graphs.reports import MAX_REPORT_REASON_CHARS, REPORTS_PER_RECORD, REPORTS_PER_WINDOW
 from tests.compiled_graphs.support import (
     CONSTANTS_A,
     clone_record,

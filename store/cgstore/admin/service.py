@@ -21,7 +21,7 @@ from cgstore.audit.models import AuditEvent
 from cgstore.audit.service import to_entry
 from cgstore.blobs.models import Blob
 from cgstore.compiled_graphs.models import HEALTH_OK, HEALTH_STATES, CompiledGraph, CompiledGraphComponent
-from cgstore.compiled_graphs.service import to_record
+from cgstore.compiled_graphs.records import to_record
 from cgstore.context import StoreContext
 from cgstore.core.errors import BadRequest, KeyConflict
 from cgstore.repos.models import Repo

@@ -12,7 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from cgstore.compiled_graphs import service
+from cgstore.compiled_graphs import publishing, records, reports, search
 from cgstore.context import StoreContext, get_context
 from cgstore.core.cursors import CURSOR_LEN
 from cgstore.core.http import QueryInt, error_doc, json_body, read_json
@@ -56,7 +56,7 @@ async def publish(
 ) -> Response:
     """Publish a compiled-graph record under its ck1 key (admission checks the archive statically)."""
     manifest = await read_json(request, Manifest, ctx.settings.max_json_bytes)
-    published = await run_in_threadpool(service.publish, ctx, claims, owner, repo, key, manifest)
+    published = await run_in_threadpool(publishing.publish, ctx, claims, owner, repo, key, manifest)
     return _json(published.answer, 201 if published.created else 200)
 
 
@@ -66,7 +66,7 @@ async def get_record(
     claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """The live record of a key in this repo."""
-    return _json(await run_in_threadpool(service.get_record, ctx, claims, owner, repo, key))
+    return _json(await run_in_threadpool(records.get_record, ctx, claims, owner, repo, key))
 
 
 @repo_router.get("", response_model=RecordPage)
@@ -82,7 +82,7 @@ async def list_records(
 ) -> Response:
     """The repo's live records, newest first, paged."""
     page = await run_in_threadpool(
-        service.list_records, ctx, claims, owner, repo, family=family, sm=sm, lane=lane, cursor=cursor, limit=limit,
+        records.list_records, ctx, claims, owner, repo, family=family, sm=sm, lane=lane, cursor=cursor, limit=limit,
         release=release,
     )
     return _json(page)
@@ -95,7 +95,7 @@ async def yank(
 ) -> Response:
     """Take a record out of resolve, with a reason (admin)."""
     body = await read_json(request, YankRequest, ctx.settings.max_json_bytes)
-    return _json(await run_in_threadpool(service.yank, ctx, claims, owner, repo, key, body.reason, body.publisher))
+    return _json(await run_in_threadpool(records.yank, ctx, claims, owner, repo, key, body.reason, body.publisher))
 
 
 @repo_router.post(
@@ -108,7 +108,7 @@ async def report_drift(
 ) -> Response:
     """Report that a served graph is not the live model (any reader; counted and audited, never yanks)."""
     body = await read_json(request, DriftReport, ctx.settings.max_json_bytes)
-    return _json(await run_in_threadpool(service.report_drift, ctx, claims, owner, repo, key, body))
+    return _json(await run_in_threadpool(reports.report_drift, ctx, claims, owner, repo, key, body))
 
 
 @resolve_router.post("/compiled-graphs:resolve", response_model=ResolveAnswer, openapi_extra=json_body(ResolveRequest))
@@ -118,16 +118,16 @@ async def resolve(
     """Look up ck1 keys of a family: the best readable live record of each, or a miss."""
     query = await read_json(request, ResolveRequest, ctx.settings.max_json_bytes)
     urls_for = _url_builder(ctx)
-    return Response(await run_in_threadpool(service.resolve, ctx, claims, query, urls_for), media_type=_JSON)
+    return Response(await run_in_threadpool(search.resolve, ctx, claims, query, urls_for), media_type=_JSON)
 
 
-def _url_builder(ctx: StoreContext) -> service.UrlsFor:
+def _url_builder(ctx: StoreContext) -> search.UrlsFor:
     """Presigned storage URLs when the backend redirects downloads, else the store's own blob URL (under
     ``CGSTORE_PUBLIC_URL``, or a path relative to the store: never built from the request's ``Host``)."""
     if ctx.settings.redirect_downloads and ctx.storage.supports_presign:
         ttl = ctx.settings.presign_ttl_s
 
-        def presigned(refs: list[service.BlobRef]) -> dict[service.BlobRef, str]:
+        def presigned(refs: list[search.BlobRef]) -> dict[search.BlobRef, str]:
             by_digest = ctx.storage.presigned_urls([digest for _, _, digest in refs], ttl)
             return {ref: by_digest[ref[2]] for ref in refs}
 
@@ -147,4 +147,4 @@ async def discover(
     """Find live records by declaration (family, envelope, sm, toolchain), without a ck1 key: best first."""
     query = await read_json(request, DiscoverRequest, ctx.settings.max_json_bytes)
     urls_for = _url_builder(ctx)
-    return Response(await run_in_threadpool(service.discover, ctx, claims, query, urls_for), media_type=_JSON)
+    return Response(await run_in_threadpool(search.discover, ctx, claims, query, urls_for), media_type=_JSON)

@@ -45,7 +45,7 @@ from cgstore.admin import service as admin
 from cgstore.audit import service as audit
 from cgstore.blobs import service as blobs
 from cgstore.compiled_graphs import receipts
-from cgstore.compiled_graphs.service import ACTION_PUBLISH
+from cgstore.compiled_graphs.publishing import ACTION_PUBLISH
 from cgstore.console import charts
 from cgstore.context import StoreContext
 from cgstore.core.db import utcnow

@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session
 
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.models import Blob, RepoBlob
-from cgstore.compiled_graphs import service as records_service
+from cgstore.compiled_graphs import retention
 from cgstore.context import StoreContext
 from cgstore.core.db import utcnow
 from cgstore.core.faults import crash_point
@@ -57,7 +57,7 @@ def _young_repo_link(cutoff: dt.datetime) -> ColumnElement[bool]:
     return exists().where(RepoBlob.digest == Blob.digest, RepoBlob.created_at >= cutoff)
 
 
-KEEPERS: list[Keeper] = [_young_repo_link, records_service.blob_kept_by_records]
+KEEPERS: list[Keeper] = [_young_repo_link, retention.blob_kept_by_records]
 
 
 @dataclass
@@ -131,7 +131,7 @@ def reclaim(ctx: StoreContext, digests: list[str]) -> None:
         return
     ctx.storage.delete_many(digests)
     with ctx.db.session() as session:
-        records_service.forget_yanked_records(session, digests)
+        retention.forget_yanked_records(session, digests)
         session.execute(delete(RepoBlob).where(RepoBlob.digest.in_(digests)))
         session.execute(
             delete(Blob)

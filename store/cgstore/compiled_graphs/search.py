@@ -1,0 +1,259 @@
+"""Search: batch resolve by ck1 key and discover by declaration, over only the rows the caller may read.
+
+Both first plan the repos the caller searches (``access.searched_repos``), then
+one statement over those repos' live rows picks the best record per key (root,
+held owners, named owners; newest first), discover's order and limit included;
+then the chosen records' components. A miss is identical for an absent,
+yanked, unhealthy or unreadable key, and the work done does not depend on what
+the caller cannot see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pydantic_core import to_json
+from sqlalchemy import case, func, literal_column, or_, select, union_all
+from sqlalchemy.orm import Session
+
+from cgstore import access
+from cgstore.blobs.models import Blob
+from cgstore.compiled_graphs import admission, explain
+from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
+from cgstore.context import StoreContext
+from cgstore.core.db import in_values
+from cgstore.core.errors import (
+    KeyInvalid,
+    MetadataInvalid,
+)
+from cgstore.tokens.claims import Claims
+from cgstore_client.binding import is_binding_signature
+from cgstore_client.keys import is_key
+from cgstore_client.wire.discovery import DiscoverRequest
+from cgstore_client.wire.records import (
+    ResolveRequest,
+)
+
+#: A blob of a repo: ``(owner, repo, digest)``.
+BlobRef = tuple[str, str, str]
+
+
+#: Download URLs for many blobs at once (presigning is batched): ``[ref, ...] -> {ref: url}``.
+UrlsFor = Callable[[list[BlobRef]], dict[BlobRef, str]]
+
+
+_RESOLVE_COLUMNS = (
+    CompiledGraph.id, CompiledGraph.key, CompiledGraph.kind, CompiledGraph.format, CompiledGraph.family,
+    CompiledGraph.lane, CompiledGraph.sm, CompiledGraph.graph_digest, CompiledGraph.envelope_digest,
+    CompiledGraph.toolchain_digest, CompiledGraph.layout_display, CompiledGraph.layout_topology,
+    CompiledGraph.layout_quant, CompiledGraph.created_at, CompiledGraph.artifact_digest,
+    CompiledGraph.artifact_size, CompiledGraph.receipt, CompiledGraph.repo_id,
+)
+
+
+def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for: UrlsFor) -> bytes:
+    """One answer per requested key, in order: the best readable live record, or a miss.
+
+    Returns the ``ResolveAnswer`` JSON itself (see ``_answer``).
+    """
+    for key in request.keys:
+        if not is_key(key):
+            raise KeyInvalid("not a valid key", key=key[:120])
+    with ctx.db.session() as session:
+        searched = _search_plan(session, claims)
+        best: dict[str, Any] = {}
+        if searched:
+            # Column rows through Core (the session's connection): the ORM's result
+            # machinery has nothing to add to plain columns and cost a tenth of a resolve.
+            best = {row.key: row for row in session.connection().execute(_best_per_key(session, searched, (
+                in_values(session, CompiledGraph.key, sorted(set(request.keys))),
+                CompiledGraph.family == request.family,
+            ), _RESOLVE_COLUMNS))}
+        components = _component_rows(session, [row.id for row in best.values()])
+    repos = {repo.id: repo for repo in searched}
+    urls = urls_for(_blob_refs(best.values(), repos, components))
+    hits = {key: _answer(key, row, repos, components, urls) for key, row in best.items()}
+    answers = [hits.get(key) or {"key": key, "status": "miss"} for key in request.keys]
+    hit_count = sum(1 for key in request.keys if key in hits)
+    ctx.metrics.count_resolve(request.family, hit_count, len(answers) - hit_count)
+    # Serialized once, in pydantic-core, from plain data built in the wire types'
+    # field order: validating 128 hits into models only to dump them again was a
+    # fifth of a resolve's CPU. tests/compiled_graphs/test_resolve_api.py checks
+    # the bytes are exactly what ``ResolveAnswer`` itself serializes.
+    return to_json({"answers": answers})
+
+
+def _search_plan(session: Session, claims: Claims) -> list[access.SearchedRepo]:
+    """The repos a resolve or discover by ``claims`` searches, best first (``access.searched_repos``).
+
+    Read from the repos the caller can be searching at all
+    (``access.search_candidates``), so other tenants' repos, however many, are never read.
+    """
+    return access.searched_repos(claims, session.connection().execute(access.search_candidates(claims)))
+
+
+def _best_per_key(
+    session: Session, searched: list[access.SearchedRepo], match: tuple, columns: tuple, *, limit: int | None = None
+):
+    """The statement of ``columns`` of the best live, healthy record per key among ``match``es in ``searched``.
+
+    Only rows the caller may read are ever touched: each searched repo's are
+    found through the index led by ``match``'s columns then ``(repo_id,
+    publisher)`` (``models.py``), in a private cache only the reader's own. The
+    best of a key is the record of the first searched repo, then the lowest id
+    (``access`` "Resolving"). With ``limit``: the first ``limit`` of them by
+    their repo's rank, then newest first (discover's order). The choosing
+    reads ids only; the records' columns are read for the chosen ones.
+    """
+    rank = _per_repo(searched, "rank").label("search_rank")
+    position = _per_repo(searched, "position").label("search_position")
+    branches = []
+    # One branch per reader (shared repos; private caches), each an index range the database can seek.
+    for reader in sorted({repo.reader for repo in searched}, key=lambda reader: reader or ""):
+        readable = access.readable_in([repo for repo in searched if repo.reader == reader],
+                                      CompiledGraph.repo_id, CompiledGraph.publisher)
+        branches.append(
+            select(CompiledGraph.id, CompiledGraph.key, rank, position)
+            # The artifact's blob row must exist: a record never resolves to bytes the database lacks.
+            # (No join to repos: the plan knows each searched repo's owner and name.)
+            .join(Blob, Blob.digest == CompiledGraph.artifact_digest)
+            .where(*match, readable, CompiledGraph.yanked_at.is_(None), CompiledGraph.health == HEALTH_OK)
+        )
+    if len(branches) == 1:
+        nth = func.row_number().over(partition_by=CompiledGraph.key, order_by=(position, CompiledGraph.id))
+        ranked = branches[0].add_columns(nth.label("nth")).subquery("ranked")
+    else:  # shared repos and private caches: one window over both
+        rows = union_all(*branches).subquery("candidates")
+        nth = func.row_number().over(partition_by=rows.c.key, order_by=(rows.c.search_position, rows.c.id))
+        ranked = select(rows.c.id, rows.c.search_rank, nth.label("nth")).subquery("ranked")
+    chosen = (select(*columns, ranked.c.search_rank).join(ranked, ranked.c.id == CompiledGraph.id)
+              .where(ranked.c.nth == 1))
+    if limit is None:
+        return chosen
+    return chosen.order_by(ranked.c.search_rank, CompiledGraph.id.desc()).limit(limit)
+
+
+def _per_repo(searched: list[access.SearchedRepo], field: str):
+    """SQL: a searched repo's ``field`` by the record's repo id.
+
+    Integers the plan computed, rendered inline: typed as integers on both
+    databases, and no bound parameters beyond the repo ids' own.
+    """
+    return case({literal_column(str(int(repo.id))): literal_column(str(int(getattr(repo, field))))
+                 for repo in searched}, value=CompiledGraph.repo_id)
+
+
+def _component_rows(session: Session, record_ids: list[int]) -> dict[int, list[tuple[str, str, int]]]:
+    """``(name, digest, size)`` of the chosen records' components: always one statement."""
+    by_record: dict[int, list[tuple[str, str, int]]] = {}
+    rows = session.connection().execute(
+        select(CompiledGraphComponent.record_id, CompiledGraphComponent.name, CompiledGraphComponent.digest,
+               CompiledGraphComponent.size)
+        .join(Blob, Blob.digest == CompiledGraphComponent.digest)
+        # A bound array on PostgreSQL (constant statement text): an expanding IN of
+        # 128 ids was re-rendered and re-split by the driver on every resolve.
+        .where(in_values(session, CompiledGraphComponent.record_id, record_ids))
+        .order_by(CompiledGraphComponent.record_id, CompiledGraphComponent.name)
+    )
+    for record_id, name, digest, size in rows:
+        by_record.setdefault(record_id, []).append((name, digest, size))
+    return by_record
+
+
+#: The searched repos by id (``_search_plan``): a found row's owner and name, known before any record was read.
+SearchedById = dict[int, access.SearchedRepo]
+
+
+def _blob_refs(rows: Iterable, repos: SearchedById, components: dict[int, list[tuple[str, str, int]]]) -> list[BlobRef]:
+    refs = []
+    for row in rows:
+        owner, name = repos[row.repo_id].owner, repos[row.repo_id].name
+        refs.append((owner, name, row.artifact_digest))
+        refs += [(owner, name, digest) for _, digest, _ in components.get(row.id, [])]
+    return refs
+
+
+def _answer(
+    key: str, row, repos: SearchedById, components: dict[int, list[tuple[str, str, int]]], urls: dict[BlobRef, str]
+) -> dict:
+    """One hit as plain data, keys in the wire types' field order (``ResolveHit``, ``ComponentDownload``).
+
+    ``row`` starts with ``_RESOLVE_COLUMNS`` (discover's rows carry more after them).
+    """
+    (record_id, record_key, kind, format_, family, lane, sm, graph, envelope_digest, toolchain_digest,
+     layout_display, layout_topology, layout_quant, created_at, artifact_digest, artifact_size, receipt,
+     repo_id) = row[:len(_RESOLVE_COLUMNS)]
+    owner, name = repos[repo_id].owner, repos[repo_id].name
+    layout = None
+    if layout_display is not None:
+        layout = {"display": layout_display, "topology": layout_topology, "quant": layout_quant}
+    return {
+        "key": key,
+        "status": "hit",
+        "repo": f"{owner}/{name}",
+        "record": {
+            "kind": kind, "format": format_, "family": family, "lane": lane, "sm": sm,
+            "graph": graph, "envelope_digest": envelope_digest,
+            "toolchain_digest": toolchain_digest, "layout": layout,
+            "created_at": created_at, "href": f"/v1/repos/{owner}/{name}/compiled-graphs/{record_key}",
+        },
+        "artifact": {"digest": artifact_digest, "size": artifact_size,
+                     "url": urls[(owner, name, artifact_digest)]},
+        "components": [
+            {"digest": digest, "size": size, "url": urls[(owner, name, digest)], "name": component_name}
+            for component_name, digest, size in components.get(record_id, [])
+        ],
+        "receipt": receipt,
+    }
+
+
+def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_for: UrlsFor) -> bytes:
+    """The live records matching a declaration, best first, in resolve's hit shape; the answer's JSON.
+
+    Visibility and ranking are resolve's (``_best_per_key``): per key the
+    best-ranked readable record, then keys ordered by that rank, newest first,
+    at most ``limit``, all decided in SQL over the rows the caller may read.
+    Three statements whatever the table holds (the search plan, the records
+    through ``ix_compiled_graphs_discover``, the chosen ones' components); an
+    answer with nothing readable is the same bytes as one with nothing at all.
+    """
+    admission.check_family(request.family)
+    derived = admission.derive_axes(request.envelope, request.sm, request.toolchain)
+    admission.check_release(request.release)
+    admission.check_code(request.code)
+    if request.binding_signature is not None and not is_binding_signature(request.binding_signature):
+        raise MetadataInvalid("binding_signature must be 'bs1:' + 64 lowercase hex (cgstore_client.binding)",
+                              binding_signature=request.binding_signature)
+    digest = admission.discovery_of(request.family, request.sm, derived)
+    with ctx.db.session() as session:
+        searched = _search_plan(session, claims)
+        chosen = []
+        if searched:
+            chosen = session.connection().execute(_best_per_key(
+                session, searched, _discover_match(request, digest),
+                (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release), limit=request.limit,
+            )).all()
+        components = _component_rows(session, [row.id for row in chosen])
+        miss = explain.explain_miss(session, claims, request, derived, searched) if request.explain and not chosen \
+            else None
+    repos = {repo.id: repo for repo in searched}
+    urls = urls_for(_blob_refs(chosen, repos, components))
+    found = [{**_answer(row.key, row, repos, components, urls), "binding_signature": row.binding_signature,
+              "release": row.release} for row in chosen]
+    answer: dict[str, Any] = {"candidates": found}  # built in ``DiscoverAnswer``'s field order, as resolve's is
+    if miss is not None:
+        answer["miss"] = miss.model_dump(mode="json")
+    return to_json(answer)
+
+
+def _discover_match(request: DiscoverRequest, digest: str) -> tuple:
+    """What a record must have to match ``request`` (its discovery ``digest``, then the optional filters)."""
+    match = [CompiledGraph.discovery_digest == digest]
+    if request.release is not None:
+        match.append(CompiledGraph.release == request.release)
+    if request.binding_signature is not None:
+        match.append(CompiledGraph.binding_signature == request.binding_signature)
+    if request.code is not None:  # only records that recorded their code can differ from it
+        match.append(or_(CompiledGraph.code_fingerprint.is_(None), CompiledGraph.code_fingerprint == request.code))
+    return tuple(match)
