@@ -51,6 +51,7 @@ def median(values: list[float]) -> float:
 
 # -- memory and CPU of other processes ---------------------------------------------------
 
+
 class RssSampler:
     """Samples a process's RSS every ``interval_s`` in a background thread; keeps the peak."""
 
@@ -123,6 +124,7 @@ def timed(watch: dict[str, int]) -> Iterator[Timing]:
 
 # -- test data ------------------------------------------------------------------------------
 
+
 def write_random_file(path: Path, size: int, block_bytes: int = 16 * MiB) -> None:
     """``size`` random bytes, generated a block at a time (never the whole file in memory)."""
     with open(path, "wb") as out:
@@ -144,6 +146,7 @@ def blake3_file(path: Path) -> str:
 
 
 # -- raw boto3 download baselines -----------------------------------------------------------
+
 
 def s3_get_unverified(s3, bucket: str, key: str, dest: Path) -> int:
     """boto3 ``get_object`` streamed into ``dest``, checking nothing and syncing nothing.
@@ -185,7 +188,9 @@ def s3_get_verified(s3, bucket: str, key: str, dest: Path, digest: str, size: in
             os.fsync(out.fileno())
         actual = "blake3:" + hasher.hexdigest()
         if actual != digest or received != size:
-            raise SystemExit(f"verified baseline: {received} bytes hashing to {actual}, expected {digest} ({size} bytes)")
+            raise SystemExit(
+                f"verified baseline: {received} bytes hashing to {actual}, expected {digest} ({size} bytes)"
+            )
         os.replace(temp, dest)
         directory = os.open(dest.parent, os.O_RDONLY)
         try:
@@ -204,6 +209,7 @@ def read_chunks(path: Path, chunk_bytes: int = MiB) -> Iterator[bytes]:
 
 
 # -- the running stack ----------------------------------------------------------------------
+
 
 @dataclass
 class _StoreProcessStack:
@@ -315,9 +321,9 @@ def replicated_stack(prefix: str = "cgstore_bench", replicas: int = 2, **setting
             **{f"CGSTORE_{name.upper()}": _env_value(value) for name, value in settings.items()},
         }
         stores = [stack.enter_context(services.store_process(env, home)) for _ in range(replicas)]
-        yield ReplicatedStack([
-            Stack(store=store, s3=s3, bucket=bucket, database_url=database_url, home=home) for store in stores
-        ])
+        yield ReplicatedStack(
+            [Stack(store=store, s3=s3, bucket=bucket, database_url=database_url, home=home) for store in stores]
+        )
 
 
 def _env_value(value: object) -> str:

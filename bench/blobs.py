@@ -80,8 +80,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024, help="blob size in MiB (default 1024)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement (default 3)")
-    parser.add_argument("--download-reps", type=int, default=3,
-                        help="rounds of the three downloads per repetition (default 3)")
+    parser.add_argument(
+        "--download-reps", type=int, default=3, help="rounds of the three downloads per repetition (default 3)"
+    )
     return parser.parse_args()
 
 
@@ -153,13 +154,19 @@ def main() -> None:
                 region_name=stack.s3.region,
                 aws_access_key_id=stack.s3.access_key,
                 aws_secret_access_key=stack.s3.secret_key,
-                config=Config(request_checksum_calculation="when_required", response_checksum_validation="when_required"),
+                config=Config(
+                    request_checksum_calculation="when_required", response_checksum_validation="when_required"
+                ),
             )
             idle_rss = rss_mib(server_pid)
             log(f"server idle RSS baseline: {idle_rss:.1f} MiB (pid {server_pid})")
 
             results: dict[str, list[float]] = {
-                "ours_up": [], "boto_up": [], "ours_down": [], "boto_down": [], "boto_raw": [],
+                "ours_up": [],
+                "boto_up": [],
+                "ours_down": [],
+                "boto_down": [],
+                "boto_raw": [],
             }
             timeout = httpx.Timeout(300.0, connect=10.0)
             headers = {"Authorization": f"Bearer {token}"}
@@ -174,9 +181,10 @@ def main() -> None:
                     f"  cpu: {cpu}  server rss peak so far {rss.peak_mib:.1f} MiB"
                 )
 
-            with httpx.Client(base_url=stack.base_url, headers=headers, timeout=timeout) as client, RssSampler(
-                server_pid, interval_s=0.02
-            ) as rss:
+            with (
+                httpx.Client(base_url=stack.base_url, headers=headers, timeout=timeout) as client,
+                RssSampler(server_pid, interval_s=0.02) as rss,
+            ):
                 for rep in range(args.reps):
                     digest = tag_file(path, rep)
                     our_key = f"blobs/{digest[7:9]}/{digest[7:]}"
@@ -186,10 +194,20 @@ def main() -> None:
                         ("boto_up", lambda: s3.upload_file(str(path), stack.bucket, boto_key, Config=TransferConfig())),
                     ]
                     downloads = [
-                        ("ours_down", lambda: our_download(stack.base_url, token, size, digest, Path(scratch) / "cache")),
-                        ("boto_down", lambda: boto_verified_download(
-                            s3, stack.bucket, boto_key, size, digest, Path(scratch) / "boto.bin")),
-                        ("boto_raw", lambda: boto_download(s3, stack.bucket, boto_key, size, Path(scratch) / "raw.bin")),
+                        (
+                            "ours_down",
+                            lambda: our_download(stack.base_url, token, size, digest, Path(scratch) / "cache"),
+                        ),
+                        (
+                            "boto_down",
+                            lambda: boto_verified_download(
+                                s3, stack.bucket, boto_key, size, digest, Path(scratch) / "boto.bin"
+                            ),
+                        ),
+                        (
+                            "boto_raw",
+                            lambda: boto_download(s3, stack.bucket, boto_key, size, Path(scratch) / "raw.bin"),
+                        ),
                     ]
                     for name, run in uploads if rep % 2 == 0 else reversed(uploads):
                         measure(rep, name, run)

@@ -60,7 +60,9 @@ def transformers_model(name: str) -> Callable[[], tuple[torch.nn.Module, tuple]]
 
 
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
-    "mlp": mlp, "gpt2": transformers_model("gpt2"), "bert": transformers_model("bert"),
+    "mlp": mlp,
+    "gpt2": transformers_model("gpt2"),
+    "bert": transformers_model("bert"),
 }
 
 
@@ -90,8 +92,15 @@ def exact_boot(url: str, token: str, cache: Path, family: str, model, inputs) ->
 def discovered_boot(url: str, token: str, cache: Path, family: str, model, inputs) -> tuple[float, str]:
     with Client(url, token, cache_dir=cache) as client:
         started = time.perf_counter()
-        booted = client.boot(family, model, envelope=ENVELOPE, release=RELEASE, mandatory=True,
-                             confirm="background", example_inputs=inputs)
+        booted = client.boot(
+            family,
+            model,
+            envelope=ENVELOPE,
+            release=RELEASE,
+            mandatory=True,
+            confirm="background",
+            example_inputs=inputs,
+        )
         booted(*inputs)
         elapsed = time.perf_counter() - started
         return elapsed, booted.wait_confirmed(CONFIRM_TIMEOUT_S)
@@ -104,20 +113,34 @@ def bench_model(name: str, stack, token: str, scratch: Path, reps: int) -> dict[
     log(f"{name}: export {export_s:.2f}s; compile locally (export + compile + load + bind + call) {compile_s:.1f}s")
     family, repo = f"bench-{name}", f"{OWNER}/{name}"
     with Client(stack.base_url, token, cache_dir=scratch / "mint-cache") as client:
-        client.publish(repo, scratch / f"{name}.pt2", family=family, envelope=ENVELOPE, sm=environment_sm(),
-                       toolchain=environment_toolchain(), release=RELEASE, code=code_fingerprint(model))
+        client.publish(
+            repo,
+            scratch / f"{name}.pt2",
+            family=family,
+            envelope=ENVELOPE,
+            sm=environment_sm(),
+            toolchain=environment_toolchain(),
+            release=RELEASE,
+            code=code_fingerprint(model),
+        )
     exact, discovered, verdicts = [], [], []
     for rep in range(reps):
         exact.append(exact_boot(stack.base_url, token, scratch / f"{name}-exact-{rep}", family, model, inputs))
-        seconds, verdict = discovered_boot(stack.base_url, token, scratch / f"{name}-discover-{rep}", family,
-                                           model, inputs)
+        seconds, verdict = discovered_boot(
+            stack.base_url, token, scratch / f"{name}-discover-{rep}", family, model, inputs
+        )
         discovered.append(seconds)
         verdicts.append(verdict)
     log(f"{name}: exact key (export + resolve + download + bind + call) best {min(exact):.2f}s of {exact}")
-    log(f"{name}: discovery (discover + download + bind + call) best {min(discovered):.2f}s of {discovered};"
-        f" background confirmation: {verdicts}")
-    return {"speedup_exact": round(compile_s / min(exact), 1),
-            "speedup_discover": round(compile_s / min(discovered), 1), "export_s": round(export_s, 3)}
+    log(
+        f"{name}: discovery (discover + download + bind + call) best {min(discovered):.2f}s of {discovered};"
+        f" background confirmation: {verdicts}"
+    )
+    return {
+        "speedup_exact": round(compile_s / min(exact), 1),
+        "speedup_discover": round(compile_s / min(discovered), 1),
+        "export_s": round(export_s, 3),
+    }
 
 
 def compile_locally(model, inputs, path: Path) -> float:
@@ -125,8 +148,9 @@ def compile_locally(model, inputs, path: Path) -> float:
     started = time.perf_counter()
     package_compiled_graph(torch.export.export(model, inputs), path)
     derived = derived_constants_path(path)
-    local = SimpleNamespace(artifact_path=path,
-                            component_paths={DERIVED_COMPONENT: derived} if os.path.exists(derived) else {})
+    local = SimpleNamespace(
+        artifact_path=path, component_paths={DERIVED_COMPONENT: derived} if os.path.exists(derived) else {}
+    )
     load_compiled(local, model.state_dict())(*inputs)
     return time.perf_counter() - started
 

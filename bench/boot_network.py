@@ -80,10 +80,29 @@ def run_aria2c(url: str, token: str, blobs: list[tuple[str, int]], out: Path) ->
     out.mkdir()
     listing.write_text("".join(f"{blob_url(url, digest)}\n  out={digest[7:]}\n" for digest, _ in blobs))
     subprocess.run(
-        ["aria2c", "-x", "16", "-s", "16", "-k", "16M", "-j", str(len(blobs)), f"--header=Authorization: Bearer {token}",
-         "-d", str(out), "-i", str(listing), "--file-allocation=none", "--console-log-level=warn",
-         "--summary-interval=0", "--download-result=hide", "--allow-overwrite=true"],
-        check=True, stdout=subprocess.DEVNULL,
+        [
+            "aria2c",
+            "-x",
+            "16",
+            "-s",
+            "16",
+            "-k",
+            "16M",
+            "-j",
+            str(len(blobs)),
+            f"--header=Authorization: Bearer {token}",
+            "-d",
+            str(out),
+            "-i",
+            str(listing),
+            "--file-allocation=none",
+            "--console-log-level=warn",
+            "--summary-interval=0",
+            "--download-result=hide",
+            "--allow-overwrite=true",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     check_files(blobs, out)
 
@@ -91,8 +110,9 @@ def run_aria2c(url: str, token: str, blobs: list[tuple[str, int]], out: Path) ->
 def run_curl(url: str, token: str, blobs: list[tuple[str, int]], out: Path) -> None:
     out.mkdir()
     procs = [
-        subprocess.Popen(["curl", "-sSf", "-H", f"Authorization: Bearer {token}", "-o", str(out / digest[7:]),
-                          blob_url(url, digest)])
+        subprocess.Popen(
+            ["curl", "-sSf", "-H", f"Authorization: Bearer {token}", "-o", str(out / digest[7:]), blob_url(url, digest)]
+        )
         for digest, _ in blobs
     ]
     for proc in procs:
@@ -118,11 +138,16 @@ def main() -> None:
     sizes = [int(1024 * MiB * args.scale), int(256 * MiB * args.scale), int(256 * MiB * args.scale)]
     total = sum(sizes)
     shape = netmodel.Shape(per_connection=args.c * MiB, aggregate=args.a * MiB, latency_s=args.latency_ms / 1000)
-    log(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; blobs {[s // MiB for s in sizes]} MiB; "
-        f"C {args.c} MiB/s, A {args.a} MiB/s, L {args.latency_ms} ms")
+    log(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; blobs {[s // MiB for s in sizes]} MiB; "
+        f"C {args.c} MiB/s, A {args.a} MiB/s, L {args.latency_ms} ms"
+    )
     capacity = netmodel.forwarding_capacity() / MiB
-    log(f"proxy forwards {capacity:.0f} MiB/s unshaped (3 streams, 1 GiB): "
-        + ("at least" if capacity >= 2 * args.a else "BELOW") + f" 2·A = {2 * args.a:.0f} MiB/s")
+    log(
+        f"proxy forwards {capacity:.0f} MiB/s unshaped (3 streams, 1 GiB): "
+        + ("at least" if capacity >= 2 * args.a else "BELOW")
+        + f" 2·A = {2 * args.a:.0f} MiB/s"
+    )
 
     with tempfile.TemporaryDirectory(prefix="cgstore-bench-net-") as scratch_dir, embedded_stack() as stack:
         scratch = Path(scratch_dir)
@@ -142,7 +167,7 @@ def main() -> None:
         with netmodel.shaped_proxy(host, int(port), shape) as proxy:
             order = list(sides)
             for round_ in range(args.rounds):
-                for name in order[round_ % len(order):] + order[: round_ % len(order)]:
+                for name in order[round_ % len(order) :] + order[: round_ % len(order)]:
                     out = scratch / name
                     os.sync()
                     downloader = own_and_children_cpu()
@@ -151,21 +176,25 @@ def main() -> None:
                     timing.cpu_s["downloader"] = own_and_children_cpu() - downloader
                     results[name].append(total / MiB / timing.wall_s)
                     cpu = ", ".join(f"{who} {seconds / timing.wall_s:.0%}" for who, seconds in timing.cpu_s.items())
-                    log(f"round {round_} {name}: {timing.wall_s:.2f}s, {results[name][-1]:.1f} MiB/s (CPU of a core: {cpu})")
+                    log(
+                        f"round {round_} {name}: {timing.wall_s:.2f}s, {results[name][-1]:.1f} MiB/s (CPU of a core: {cpu})"
+                    )
                     shutil.rmtree(out)
 
     best = {name: max(values) for name, values in results.items()}
     for name, values in results.items():
         log(f"{name}: best {best[name]:.1f} MiB/s, median {median(values):.1f} MiB/s")
     log(f"limit: total / A = {total / MiB / args.a:.2f}s ({args.a:.0f} MiB/s)")
-    emit_result({
-        "vs_limit": round(best["client"] / args.a, 3),
-        "vs_aria2c": round(best["client"] / best["aria2c"], 3),
-        "vs_single_stream": round(best["client"] / best["curl"], 3),
-        "client_mib_s": round(best["client"], 1),
-        "aria2c_mib_s": round(best["aria2c"], 1),
-        "curl_mib_s": round(best["curl"], 1),
-    })
+    emit_result(
+        {
+            "vs_limit": round(best["client"] / args.a, 3),
+            "vs_aria2c": round(best["client"] / best["aria2c"], 3),
+            "vs_single_stream": round(best["client"] / best["curl"], 3),
+            "client_mib_s": round(best["client"], 1),
+            "aria2c_mib_s": round(best["aria2c"], 1),
+            "curl_mib_s": round(best["curl"], 1),
+        }
+    )
 
 
 if __name__ == "__main__":

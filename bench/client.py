@@ -81,12 +81,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--artifact-mib", type=int, default=1024, help="artifact size in MiB (default 1024)")
     parser.add_argument("--component-mib", type=int, default=256, help="each component's size in MiB (default 256)")
     parser.add_argument("--reps", type=int, default=2, help="repetitions (default 2)")
-    parser.add_argument("--chunked-threshold-mib", type=int, default=None,
-                        help="blobs from this size go through resumable sessions (default: the client's, 64 MiB)")
+    parser.add_argument(
+        "--chunked-threshold-mib",
+        type=int,
+        default=None,
+        help="blobs from this size go through resumable sessions (default: the client's, 64 MiB)",
+    )
     return parser.parse_args()
 
 
 # -- models -------------------------------------------------------------------------------------
+
 
 class TwoWeights(torch.nn.Module):
     """Two square weights: each one component of ``side * side * 4`` bytes."""
@@ -118,6 +123,7 @@ def compile_locally(model: torch.nn.Module, x: torch.Tensor, path: Path) -> tupl
 
 # -- the big publication --------------------------------------------------------------------------
 
+
 def padded_archive(minted: Path, out: Path, size: int) -> None:
     """``minted`` plus one AOTI file of fresh random bytes so the archive is ``size`` bytes (about)."""
     from torch.export.pt2_archive._package import PT2ArchiveWriter
@@ -125,7 +131,13 @@ def padded_archive(minted: Path, out: Path, size: int) -> None:
     with zipfile.ZipFile(minted) as source, open(out, "wb") as fh, PT2ArchiveWriter(fh) as writer:
         for info in source.infolist():
             name = info.filename.split("/", 1)[1]
-            if name not in ("archive_format", "archive_version", ".data/version", "byteorder", ".data/serialization_id"):
+            if name not in (
+                "archive_format",
+                "archive_version",
+                ".data/version",
+                "byteorder",
+                ".data/serialization_id",
+            ):
                 writer.write_bytes(name, source.read(info))
         # Zero first bytes: never mistaken for a pickle stream by the reader's magic check.
         padding = max(0, size - minted.stat().st_size)
@@ -173,16 +185,27 @@ def main() -> None:
         with production_stack(redirect_downloads=True, reaper_interval_s=3600) as stack:
             token = stack.mint("bench", f"{OWNER}/*:read,write")
             s3 = boto3.session.Session().client(
-                "s3", endpoint_url=stack.s3.endpoint_url, region_name=stack.s3.region,
-                aws_access_key_id=stack.s3.access_key, aws_secret_access_key=stack.s3.secret_key,
-                config=Config(request_checksum_calculation="when_required", response_checksum_validation="when_required"),
+                "s3",
+                endpoint_url=stack.s3.endpoint_url,
+                region_name=stack.s3.region,
+                aws_access_key_id=stack.s3.access_key,
+                aws_secret_access_key=stack.s3.secret_key,
+                config=Config(
+                    request_checksum_calculation="when_required", response_checksum_validation="when_required"
+                ),
             )
 
             # Headline: the small model from the store, cold cache, in this process.
             small_key = ck1(graph_digest_from_program(small_program), SMALL_ENVELOPE, sm, TOOLCHAIN)
             with Client(stack.base_url, token, cache_dir=scratch / "mint-cache") as client:
-                client.publish(f"{OWNER}/small", scratch / "small.pt2", family=FAMILY, envelope=SMALL_ENVELOPE,
-                               toolchain=TOOLCHAIN, sm=sm)
+                client.publish(
+                    f"{OWNER}/small",
+                    scratch / "small.pt2",
+                    family=FAMILY,
+                    envelope=SMALL_ENVELOPE,
+                    toolchain=TOOLCHAIN,
+                    sm=sm,
+                )
             begun = time.perf_counter()
             with Client(stack.base_url, token, cache_dir=scratch / "small-cache") as client:
                 (loaded,) = client.load(FAMILY, [Want(small_key, mandatory=True)])
@@ -208,15 +231,29 @@ def main() -> None:
 
                 def ours_publish() -> None:
                     threshold = None if args.chunked_threshold_mib is None else args.chunked_threshold_mib * MiB
-                    with Client(stack.base_url, token, cache_dir=scratch / "mint-cache",
-                                chunked_threshold=threshold) as client:
-                        published = client.publish(repo, files[0], family=FAMILY, envelope=envelope,
-                                                   toolchain=TOOLCHAIN, sm=sm, components=components)
+                    with Client(
+                        stack.base_url, token, cache_dir=scratch / "mint-cache", chunked_threshold=threshold
+                    ) as client:
+                        published = client.publish(
+                            repo,
+                            files[0],
+                            family=FAMILY,
+                            envelope=envelope,
+                            toolchain=TOOLCHAIN,
+                            sm=sm,
+                            components=components,
+                        )
                     assert published.key == big_key and published.status == "created"
 
                 def boto_publish() -> None:
-                    in_parallel(*(lambda p=p: s3.upload_file(str(p), stack.bucket, f"baseline/{p.name}",
-                                                             Config=TransferConfig()) for p in files))
+                    in_parallel(
+                        *(
+                            lambda p=p: s3.upload_file(
+                                str(p), stack.bucket, f"baseline/{p.name}", Config=TransferConfig()
+                            )
+                            for p in files
+                        )
+                    )
 
                 pair = [("publish", ours_publish), ("boto_up", boto_publish)]
                 for name, run in pair if rep % 2 == 0 else reversed(pair):
@@ -234,14 +271,22 @@ def main() -> None:
                     return f"blobs/{digest[7:9]}/{digest[7:]}"
 
                 def boto_cold() -> None:
-                    in_parallel(*(lambda d=d, i=i, n=n: s3_get_verified(s3, stack.bucket, blob_key(d),
-                                                                         boto_dir / f"boto-{i}.bin", d, n)
-                                  for i, (d, n) in enumerate(zip(digests, sizes, strict=True))))
+                    in_parallel(
+                        *(
+                            lambda d=d, i=i, n=n: s3_get_verified(
+                                s3, stack.bucket, blob_key(d), boto_dir / f"boto-{i}.bin", d, n
+                            )
+                            for i, (d, n) in enumerate(zip(digests, sizes, strict=True))
+                        )
+                    )
 
                 def boto_raw() -> None:
-                    in_parallel(*(lambda d=d, i=i: s3_get_unverified(s3, stack.bucket, blob_key(d),
-                                                                     scratch / f"raw-{i}.bin")
-                                  for i, d in enumerate(digests)))
+                    in_parallel(
+                        *(
+                            lambda d=d, i=i: s3_get_unverified(s3, stack.bucket, blob_key(d), scratch / f"raw-{i}.bin")
+                            for i, d in enumerate(digests)
+                        )
+                    )
 
                 # Each side downloads four times, twice in odd and twice in even positions
                 # (A B C A B C C B A C B A): on this VM downloads alternate between fast and
@@ -268,8 +313,11 @@ def main() -> None:
                 shutil.rmtree(boto_dir)
                 for i in range(len(digests)):
                     (scratch / f"raw-{i}.bin").unlink()
-                log(f"rep {rep}: " + ", ".join(f"{k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in results.items()) +
-                    "  (MiB/s for publish/boto_up/cold/boto_down/boto_raw, seconds for warm/hash)")
+                log(
+                    f"rep {rep}: "
+                    + ", ".join(f"{k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in results.items())
+                    + "  (MiB/s for publish/boto_up/cold/boto_down/boto_raw, seconds for warm/hash)"
+                )
 
     figures = {
         "cold_boot_ratio": round(max(results["cold"]) / max(results["boto_down"]), 3),
@@ -278,10 +326,14 @@ def main() -> None:
         "speedup_vs_compile": round(compile_s / store_s, 1),
         "cold_boot_ratio_vs_unverified": round(max(results["cold"]) / max(results["boto_raw"]), 3),
     }
-    log(f"median ratios: cold boot {median(results['cold']) / median(results['boto_down']):.3f},"
-        f" cold boot vs unverified {median(results['cold']) / median(results['boto_raw']):.3f}")
-    log(f"{total / MiB:.0f} MiB per boot; total {time.perf_counter() - started:.0f}s,"
-        f" load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    log(
+        f"median ratios: cold boot {median(results['cold']) / median(results['boto_down']):.3f},"
+        f" cold boot vs unverified {median(results['cold']) / median(results['boto_raw']):.3f}"
+    )
+    log(
+        f"{total / MiB:.0f} MiB per boot; total {time.perf_counter() - started:.0f}s,"
+        f" load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+    )
     emit_result(figures)
 
 

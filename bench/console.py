@@ -58,14 +58,26 @@ _FIGURES_AS_OF = re.compile(r'Figures as of <time datetime="([^"]+)"')
 def parse_args() -> argparse.Namespace:
     scale = float(os.environ.get("CGSTORE_BENCH_CONSOLE_SCALE", "1"))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--records", type=int, default=int(FULL_RECORDS * scale),
-                        help="live records (default 100000 × CGSTORE_BENCH_CONSOLE_SCALE)")
-    parser.add_argument("--audit", type=int, default=int(FULL_AUDIT * scale),
-                        help="audit entries (default 1000000 × CGSTORE_BENCH_CONSOLE_SCALE)")
+    parser.add_argument(
+        "--records",
+        type=int,
+        default=int(FULL_RECORDS * scale),
+        help="live records (default 100000 × CGSTORE_BENCH_CONSOLE_SCALE)",
+    )
+    parser.add_argument(
+        "--audit",
+        type=int,
+        default=int(FULL_AUDIT * scale),
+        help="audit entries (default 1000000 × CGSTORE_BENCH_CONSOLE_SCALE)",
+    )
     parser.add_argument("--rounds", type=int, default=300, help="measured requests of each page (default 300)")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured rounds first (default 3)")
-    parser.add_argument("--aggregates-s", type=float, default=30.0,
-                        help="CGSTORE_CONSOLE_AGGREGATES_S of the measured store (default 30, the deployment default)")
+    parser.add_argument(
+        "--aggregates-s",
+        type=float,
+        default=30.0,
+        help="CGSTORE_CONSOLE_AGGREGATES_S of the measured store (default 30, the deployment default)",
+    )
     parser.add_argument("--configs", default="embedded,production", help="comma-separated (default both)")
     return parser.parse_args()
 
@@ -140,8 +152,9 @@ def run(config: str, args: argparse.Namespace) -> dict[str, tuple[float, float, 
     start = embedded_stack if config == "embedded" else production_stack
     settings = {"console_aggregates_s": args.aggregates_s, "reaper_interval_s": 3600}
     with start(**settings) as stack:
-        database_url = (getattr(stack, "database_url", None)
-                        or f"sqlite:///{(stack.home / 'cgstore.sqlite3').absolute()}")
+        database_url = (
+            getattr(stack, "database_url", None) or f"sqlite:///{(stack.home / 'cgstore.sqlite3').absolute()}"
+        )
         log(f"== {config}: {args.records} records, {args.audit} audit entries")
         seed(database_url, args.records, args.audit, log=log)
         token = stack.mint("bench-admin", "*/*:admin")
@@ -198,11 +211,17 @@ def main() -> None:
         result[f"{config}_baseline_p50_ms"] = round(baseline[0], 2)
         if p95 >= worst[2]:
             worst = (config, page, p95)
-    emit_result({
-        "worst_p95_ms": round(worst[2], 1), "worst_page": f"{worst[0]}: {worst[1]}",
-        "budget_ratio": round(worst[2] / BUDGET_MS, 3), **result,
-        "records": args.records, "audit_entries": args.audit, "rounds": args.rounds,
-    })
+    emit_result(
+        {
+            "worst_p95_ms": round(worst[2], 1),
+            "worst_page": f"{worst[0]}: {worst[1]}",
+            "budget_ratio": round(worst[2] / BUDGET_MS, 3),
+            **result,
+            "records": args.records,
+            "audit_entries": args.audit,
+            "rounds": args.rounds,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ BLOB_BYTES = 4096
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--flood", type=int, default=1000, help="bad-token requests (default 1000)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="spread the flood over this long (default 3, as found)")
+    parser.add_argument(
+        "--seconds", type=float, default=3.0, help="spread the flood over this long (default 3, as found)"
+    )
     parser.add_argument("--threads", type=int, default=8, help="flooding clients (default 8)")
     parser.add_argument("--uploads", type=int, default=40, help="uploads in the baseline (default 40)")
     return parser.parse_args()
@@ -132,18 +134,22 @@ def main() -> None:
         while audit_rows(engine)[1] < result["refused"] and time.monotonic() < deadline:
             time.sleep(0.2)
         rows_after, audited = audit_rows(engine)
-        log(f"audit: {rows_during} aggregate rows during the flood, {rows_after - rows_before} after; "
-            f"counts sum to {audited} (401s answered: {result['refused']})")
+        log(
+            f"audit: {rows_during} aggregate rows during the flood, {rows_after - rows_before} after; "
+            f"counts sum to {audited} (401s answered: {result['refused']})"
+        )
         engine.dispose()
 
-    emit_result({
-        "latency_ratio": round(median(during) / median(baseline), 3),
-        "baseline_ms": round(median(baseline) * 1000, 2),
-        "flood_ms": round(median(during) * 1000, 2),
-        "flood_401s": int(result["refused"]),
-        "audit_rows_during_flood": int(rows_during),
-        "audited_401s": int(audited),
-    })
+    emit_result(
+        {
+            "latency_ratio": round(median(during) / median(baseline), 3),
+            "baseline_ms": round(median(baseline) * 1000, 2),
+            "flood_ms": round(median(during) * 1000, 2),
+            "flood_401s": int(result["refused"]),
+            "audit_rows_during_flood": int(rows_during),
+            "audited_401s": int(audited),
+        }
+    )
 
 
 if __name__ == "__main__":

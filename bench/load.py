@@ -92,6 +92,7 @@ def parse_args() -> argparse.Namespace:
 
 # -- what the workload works on --------------------------------------------------------------
 
+
 @dataclass
 class Corpus:
     """The seeded records, their conflicting variants and the blobs clients fetch."""
@@ -119,11 +120,13 @@ def build_corpus(records: int) -> Corpus:
     def envelope(n: int) -> dict:
         return {"shapes": [[1024, 1024]], "text_len": 1 + n, "guidance": [3.5]}
 
-    published = [publication(archive, report, components={"consts": constants}, envelope=envelope(n))
-                 for n in range(records)]
+    published = [
+        publication(archive, report, components={"consts": constants}, envelope=envelope(n)) for n in range(records)
+    ]
     # Same key, same artifact, another component set: a write-once conflict.
-    conflicts = [publication(archive, report, components={"consts-v2": constants}, envelope=envelope(n))
-                 for n in range(records)]
+    conflicts = [
+        publication(archive, report, components={"consts-v2": constants}, envelope=envelope(n)) for n in range(records)
+    ]
     assert all(c.key == p.key for c, p in zip(conflicts, published, strict=True))
     assert len({p.key for p in published}) == records
     return Corpus(published, conflicts, published[0].artifact, published[0].components["consts"])
@@ -147,6 +150,7 @@ def seed(clients: list[httpx.Client], corpus: Corpus) -> None:
 
 
 # -- the operations: each returns None when answered as intended, else what went wrong ----------
+
 
 class Client:
     """One workload client: a keep-alive connection per replica, used alternately."""
@@ -237,8 +241,9 @@ class Client:
         location = opened.headers["Location"]
         cuts = sorted(self.rng.sample(range(1, len(data)), self.rng.randint(1, 3)))
         for start, end in itertools.pairwise([0, *cuts, len(data)]):
-            chunk = self.next_replica().patch(location, content=data[start:end],
-                                              headers={"Content-Range": f"{start}-{end - 1}"})
+            chunk = self.next_replica().patch(
+                location, content=data[start:end], headers={"Content-Range": f"{start}-{end - 1}"}
+            )
             if chunk.status_code != 202:
                 return _unexpected(chunk)
         committed = self.next_replica().put(location, params={"digest": digest})
@@ -251,6 +256,7 @@ def _unexpected(response: httpx.Response) -> str:
 
 
 # -- running it ----------------------------------------------------------------------------
+
 
 @dataclass
 class Tally:
@@ -330,8 +336,10 @@ def report(tally: Tally, wall: float) -> None:
     rows = {**tally.latencies_ms, **{f"  {kind}": values for kind, values in tally.upload_ms.items()}}
     for op, values in rows.items():
         errors = f"  errors {tally.errors[op]}" if op in MIX else ""
-        log(f"{op:>12}: {len(values):6d} ops ({len(values) / wall:6.1f}/s)  p50 {percentile(values, 0.5):7.1f} ms  "
-            f"p99 {percentile(values, 0.99):7.1f} ms  max {max(values, default=0):7.1f} ms{errors}")
+        log(
+            f"{op:>12}: {len(values):6d} ops ({len(values) / wall:6.1f}/s)  p50 {percentile(values, 0.5):7.1f} ms  "
+            f"p99 {percentile(values, 0.99):7.1f} ms  max {max(values, default=0):7.1f} ms{errors}"
+        )
     log(f"intended 409 KEY_CONFLICT answers (counted as publishes, not errors): {tally.intended_conflicts}")
     for line in tally.first_errors:
         log("  error:", line)
@@ -340,17 +348,20 @@ def report(tally: Tally, wall: float) -> None:
 def main() -> None:
     args = parse_args()
     corpus = build_corpus(args.records)
-    with replicated_stack("cgstore_bench_load", replicas=2, redirect_downloads=True,
-                          reaper_interval_s=3600) as stack:
+    with replicated_stack("cgstore_bench_load", replicas=2, redirect_downloads=True, reaper_interval_s=3600) as stack:
         token = stack.mint("load-client", f"{OWNER}/{REPO}:read,write")
-        seeders = [httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120)
-                   for url in stack.base_urls]
+        seeders = [
+            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120)
+            for url in stack.base_urls
+        ]
         began = time.perf_counter()
         seed(seeders, corpus)
         for client in seeders:
             client.close()
-        log(f"seeded {args.records} records through {len(stack.base_urls)} replicas "
-            f"in {time.perf_counter() - began:.1f} s; load average {os.getloadavg()}")
+        log(
+            f"seeded {args.records} records through {len(stack.base_urls)} replicas "
+            f"in {time.perf_counter() - began:.1f} s; load average {os.getloadavg()}"
+        )
         rss_start = rss_of(stack.server_pids)
         log(f"replica RSS at start (MiB): {rss_start}; {args.clients} clients for {args.duration_s:.0f} s")
         watch = {f"replica {n + 1}": pid for n, pid in enumerate(stack.server_pids)}
@@ -358,18 +369,23 @@ def main() -> None:
         with timed(watch) as timing:
             tally, wall = workload(stack, token, corpus, args)
         rss_end = rss_of(stack.server_pids)
-        log("CPU during the workload: " + ", ".join(
-            f"{name} {seconds / timing.wall_s:.0%}" for name, seconds in timing.cpu_s.items()) + " of one core")
+        log(
+            "CPU during the workload: "
+            + ", ".join(f"{name} {seconds / timing.wall_s:.0%}" for name, seconds in timing.cpu_s.items())
+            + " of one core"
+        )
         log(f"replica RSS at end (MiB): {rss_end}; load average {os.getloadavg()}")
     report(tally, wall)
     total = sum(len(values) for values in tally.latencies_ms.values())
-    emit_result({
-        "errors": sum(tally.errors.values()),
-        "ops_per_s": round(total / wall, 1),
-        "p99_ms": {op: round(percentile(tally.latencies_ms[op], 0.99), 1) for op in MIX},
-        "rss_start_mib": rss_start,
-        "rss_end_mib": rss_end,
-    })
+    emit_result(
+        {
+            "errors": sum(tally.errors.values()),
+            "ops_per_s": round(total / wall, 1),
+            "p99_ms": {op: round(percentile(tally.latencies_ms[op], 0.99), 1) for op in MIX},
+            "rss_start_mib": rss_start,
+            "rss_end_mib": rss_end,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -266,6 +266,7 @@ def _run(target: tuple[str, int], shape: Shape, port: int) -> None:
 
 # -- running it from a bench --------------------------------------------------------------------
 
+
 @dataclass
 class RunningProxy:
     port: int
@@ -278,8 +279,14 @@ class RunningProxy:
 @contextlib.contextmanager
 def shaped_proxy(target_host: str, target_port: int, shape: Shape) -> Iterator[RunningProxy]:
     """Run the proxy in its own process for the block; stop it (SIGTERM) after."""
-    args = [sys.executable, str(Path(__file__).resolve()), "--target", f"{target_host}:{target_port}",
-            "--latency-ms", str(shape.latency_s * 1000)]
+    args = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--target",
+        f"{target_host}:{target_port}",
+        "--latency-ms",
+        str(shape.latency_s * 1000),
+    ]
     if shape.per_connection is not None:
         args += ["--c-mib-s", str(shape.per_connection / MiB)]
     if shape.aggregate is not None:

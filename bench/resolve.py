@@ -74,7 +74,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=40, help="measured requests per client per size (default 40)")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured requests per client first (default 3)")
     parser.add_argument("--small", type=int, default=1_000, help="records in the first measurement (default 1000)")
-    parser.add_argument("--workers", type=int, default=2, help="store processes, CGSTORE_WORKERS (default 2: one per core)")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="store processes, CGSTORE_WORKERS (default 2: one per core)"
+    )
     parser.add_argument("--large", type=int, default=100_000, help="records in the second (default 100000)")
     return parser.parse_args()
 
@@ -97,8 +99,10 @@ def _declaration_columns(group: int) -> dict:
     """The envelope, toolchain and discovery columns publish would store for declaration ``group``."""
     envelope = Envelope.from_dict(declared_envelope(group))
     return {
-        "envelope": json.dumps(envelope.document), "envelope_digest": envelope.digest,
-        "toolchain": json.dumps(_TOOLCHAIN.document), "toolchain_digest": _TOOLCHAIN.digest,
+        "envelope": json.dumps(envelope.document),
+        "envelope_digest": envelope.digest,
+        "toolchain": json.dumps(_TOOLCHAIN.document),
+        "toolchain_digest": _TOOLCHAIN.digest,
         "recorded_versions": json.dumps(dict(_TOOLCHAIN.recorded)),
         "discovery_digest": discovery_digest(FAMILY, envelope.digest, SM, _TOOLCHAIN.digest, _TOOLCHAIN.recorded),
     }
@@ -110,22 +114,35 @@ def seed(database_url: str, start: int, stop: int) -> None:
     now = dt.datetime.now(dt.UTC)
     component = fake_digest("c", 0)
     with engine.begin() as conn:
-        conn.execute(text(
-            "INSERT INTO repos (owner, name, visibility, created_by, created_at) "
-            "VALUES ('root', 'bench-family', 'owner', 'bench', :now) ON CONFLICT DO NOTHING"), {"now": now})
+        conn.execute(
+            text(
+                "INSERT INTO repos (owner, name, visibility, created_by, created_at) "
+                "VALUES ('root', 'bench-family', 'owner', 'bench', :now) ON CONFLICT DO NOTHING"
+            ),
+            {"now": now},
+        )
         repo_id = conn.execute(text("SELECT id FROM repos WHERE owner='root' AND name='bench-family'")).scalar()
-        conn.execute(text("INSERT INTO blobs (digest, size, created_at, linked_at) VALUES (:d, 28, :now, :now) ON CONFLICT DO NOTHING"),
-                     {"d": component, "now": now})
+        conn.execute(
+            text(
+                "INSERT INTO blobs (digest, size, created_at, linked_at) VALUES (:d, 28, :now, :now) ON CONFLICT DO NOTHING"
+            ),
+            {"d": component, "now": now},
+        )
     for low in range(start, stop, SEED_BATCH):
         high = min(low + SEED_BATCH, stop)
         with engine.begin() as conn:
-            conn.execute(text("INSERT INTO blobs (digest, size, created_at, linked_at) VALUES (:d, 1565188, :now, :now)"),
-                         [{"d": fake_digest("a", n), "now": now} for n in range(low, high)])
+            conn.execute(
+                text("INSERT INTO blobs (digest, size, created_at, linked_at) VALUES (:d, 1565188, :now, :now)"),
+                [{"d": fake_digest("a", n), "now": now} for n in range(low, high)],
+            )
             conn.execute(text(_INSERT_RECORD), [_record(repo_id, n, now) for n in range(low, high)])
-            conn.execute(text(
-                "INSERT INTO compiled_graph_components (record_id, name, digest, size) "
-                "SELECT id, 'consts', :c, 28 FROM compiled_graphs WHERE repo_id = :r AND id > :after"),
-                {"c": component, "r": repo_id, "after": _max_component_record(conn)})
+            conn.execute(
+                text(
+                    "INSERT INTO compiled_graph_components (record_id, name, digest, size) "
+                    "SELECT id, 'consts', :c, 28 FROM compiled_graphs WHERE repo_id = :r AND id > :after"
+                ),
+                {"c": component, "r": repo_id, "after": _max_component_record(conn)},
+            )
     with engine.connect() as conn:
         # VACUUM and CHECKPOINT now, so autovacuum and the checkpointer do not
         # catch up on the seeding's writes while the next measurement runs.
@@ -145,21 +162,45 @@ _COLUMNS = (
     "layout_topology, layout_quant, input_contract, binding_table, kernel_lane, publisher, publisher_jti, "
     "created_at, health, discovery_digest"
 )
-_INSERT_RECORD = f"INSERT INTO compiled_graphs ({_COLUMNS}) VALUES ({', '.join(':' + c.strip() for c in _COLUMNS.split(','))})"
-_KERNEL_LANE = json.dumps({"winner": "baseline+packed", "rule": "fit-constrained-speed/1", "binding": "speed",
-                           "margin_fraction": 0.05, "candidates": ["baseline+dense", "baseline+packed"], "fit": None})
+_INSERT_RECORD = (
+    f"INSERT INTO compiled_graphs ({_COLUMNS}) VALUES ({', '.join(':' + c.strip() for c in _COLUMNS.split(','))})"
+)
+_KERNEL_LANE = json.dumps(
+    {
+        "winner": "baseline+packed",
+        "rule": "fit-constrained-speed/1",
+        "binding": "speed",
+        "margin_fraction": 0.05,
+        "candidates": ["baseline+dense", "baseline+packed"],
+        "fit": None,
+    }
+)
 
 
 def _record(repo_id: int, n: int, now: dt.datetime) -> dict:
     return {
-        "repo_id": repo_id, "key": fake_key(n), "kind": "aot-inductor", "format": "pt2", "family": FAMILY,
-        "lane": "baseline+packed", "sm": SM, "graph_digest": fake_digest("g", n),
+        "repo_id": repo_id,
+        "key": fake_key(n),
+        "kind": "aot-inductor",
+        "format": "pt2",
+        "family": FAMILY,
+        "lane": "baseline+packed",
+        "sm": SM,
+        "graph_digest": fake_digest("g", n),
         **_declaration_columns(n // MATCHES_PER_DECLARATION),
-        "artifact_digest": fake_digest("a", n), "artifact_size": 1565188, "component_set": fake_digest("s", 0),
-        "layout_display": "flux2.diffusers@1+cozy.fp8-rowwise@1", "layout_topology": fake_digest("l", 0),
-        "layout_quant": fake_digest("q", 0), "input_contract": json.dumps({"v": 1, "inputs": [], "dims": {}}),
-        "binding_table": "[]", "kernel_lane": _KERNEL_LANE, "publisher": "bench", "publisher_jti": None,
-        "created_at": now, "health": "ok",
+        "artifact_digest": fake_digest("a", n),
+        "artifact_size": 1565188,
+        "component_set": fake_digest("s", 0),
+        "layout_display": "flux2.diffusers@1+cozy.fp8-rowwise@1",
+        "layout_topology": fake_digest("l", 0),
+        "layout_quant": fake_digest("q", 0),
+        "input_contract": json.dumps({"v": 1, "inputs": [], "dims": {}}),
+        "binding_table": "[]",
+        "kernel_lane": _KERNEL_LANE,
+        "publisher": "bench",
+        "publisher_jti": None,
+        "created_at": now,
+        "health": "ok",
     }
 
 
@@ -177,13 +218,19 @@ def request_bodies(records: int, count: int, rng: random.Random) -> list[bytes]:
 def discover_bodies(records: int, count: int, rng: random.Random) -> list[bytes]:
     """``count`` discover bodies, each declaring one of the table's declarations drawn at random."""
     groups = rng.sample(range(records // MATCHES_PER_DECLARATION), count)
-    return [json.dumps({"family": FAMILY, "envelope": declared_envelope(group), "sm": SM,
-                        "toolchain": TOOLCHAIN}).encode() for group in groups]
+    return [
+        json.dumps({"family": FAMILY, "envelope": declared_envelope(group), "sm": SM, "toolchain": TOOLCHAIN}).encode()
+        for group in groups
+    ]
 
 
 def post(base_url: str, token: str, path: str, body: bytes) -> dict:
-    return httpx.post(f"{base_url}{path}", content=body, timeout=120,
-                      headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"}).json()
+    return httpx.post(
+        f"{base_url}{path}",
+        content=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    ).json()
 
 
 def check_resolve(base_url: str, token: str, body: bytes) -> None:
@@ -204,8 +251,9 @@ def assert_presigned(hit: dict) -> None:
     assert hit["artifact"]["url"].startswith("http") and "X-Amz-Signature" in hit["artifact"]["url"]
 
 
-def measure(base_url: str, token: str, path: str, bodies: list[bytes], clients: int, requests: int,
-            warmup: int) -> list[float]:
+def measure(
+    base_url: str, token: str, path: str, bodies: list[bytes], clients: int, requests: int, warmup: int
+) -> list[float]:
     """Latencies (ms) of ``clients`` x ``requests`` posts to ``path`` sent back to back by ``clients`` threads."""
     latencies: list[float] = []
     lock = threading.Lock()
@@ -243,24 +291,29 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
 
 
-def run(stack, token: str, records: int, path: str, bodies: list[bytes], clients: int, requests: int,
-        warmup: int) -> tuple[float, float]:
+def run(
+    stack, token: str, records: int, path: str, bodies: list[bytes], clients: int, requests: int, warmup: int
+) -> tuple[float, float]:
     """(p50, p99) in ms of ``path`` at ``records`` records, logged with throughput."""
     started = time.perf_counter()
     latencies = measure(stack.base_url, token, path, bodies, clients, requests, warmup)
     wall = time.perf_counter() - started
     p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
-    log(f"{records:>7} records: {len(latencies)} {path.rsplit(':', 1)[1]} by {clients} clients in {wall:.1f} s "
+    log(
+        f"{records:>7} records: {len(latencies)} {path.rsplit(':', 1)[1]} by {clients} clients in {wall:.1f} s "
         f"({len(latencies) / wall:.0f}/s): p50 {p50:.1f} ms, p90 {percentile(latencies, 0.9):.1f} ms, "
-        f"p99 {p99:.1f} ms, max {max(latencies):.1f} ms")
+        f"p99 {p99:.1f} ms, max {max(latencies):.1f} ms"
+    )
     return p50, p99
 
 
 def run_size(stack, token: str, records: int, args, rng: random.Random) -> dict[str, tuple[float, float]]:
     """Resolve then discover at ``records`` records, by ``--clients`` clients: {path: (p50, p99)}."""
     figures = {}
-    for path, bodies, check in ((RESOLVE, request_bodies(records, 64, rng), check_resolve),
-                                (DISCOVER, discover_bodies(records, 64, rng), check_discover)):
+    for path, bodies, check in (
+        (RESOLVE, request_bodies(records, 64, rng), check_resolve),
+        (DISCOVER, discover_bodies(records, 64, rng), check_discover),
+    ):
         check(stack.base_url, token, bodies[0])
         figures[path] = run(stack, token, records, path, bodies, args.clients, args.requests, args.warmup)
     return figures
@@ -269,8 +322,9 @@ def run_size(stack, token: str, records: int, args, rng: random.Random) -> dict[
 def main() -> None:
     args = parse_args()
     rng = random.Random(20261203)
-    with production_stack("cgstore_bench_resolve", redirect_downloads=True, reaper_interval_s=3600,
-                          workers=args.workers) as stack:
+    with production_stack(
+        "cgstore_bench_resolve", redirect_downloads=True, reaper_interval_s=3600, workers=args.workers
+    ) as stack:
         token = stack.mint("bench-worker", "bench/*:read")
         started = time.perf_counter()
         seed(stack.database_url, 0, args.small)
@@ -281,20 +335,37 @@ def main() -> None:
         log(f"seeded {args.large - args.small} more records in {time.perf_counter() - started:.1f} s")
         large = run_size(stack, token, args.large, args, rng)
         # One client alone, as many requests as all clients sent: its p99 is then a percentile, not the max.
-        _, one_client_p99 = run(stack, token, args.large, DISCOVER, discover_bodies(args.large, 64, rng), 1,
-                                args.clients * args.requests, args.warmup)
+        _, one_client_p99 = run(
+            stack,
+            token,
+            args.large,
+            DISCOVER,
+            discover_bodies(args.large, 64, rng),
+            1,
+            args.clients * args.requests,
+            args.warmup,
+        )
     result = {}
     for prefix, path in (("", RESOLVE), ("discover_", DISCOVER)):
         (p50_small, p99_small), (p50_large, p99_large) = small[path], large[path]
-        result.update({
-            f"{prefix}p50_ms_1k": round(p50_small, 2), f"{prefix}p99_ms_1k": round(p99_small, 2),
-            f"{prefix}p50_ms_100k": round(p50_large, 2), f"{prefix}p99_ms_100k": round(p99_large, 2),
-            f"{prefix}p99_ratio": round(p99_large / p99_small, 3),
-        })
-    emit_result({
-        **result, "discover_one_client_p99_ms_100k": round(one_client_p99, 2),
-        "clients": args.clients, "requests": args.clients * args.requests, "workers": args.workers,
-    })
+        result.update(
+            {
+                f"{prefix}p50_ms_1k": round(p50_small, 2),
+                f"{prefix}p99_ms_1k": round(p99_small, 2),
+                f"{prefix}p50_ms_100k": round(p50_large, 2),
+                f"{prefix}p99_ms_100k": round(p99_large, 2),
+                f"{prefix}p99_ratio": round(p99_large / p99_small, 3),
+            }
+        )
+    emit_result(
+        {
+            **result,
+            "discover_one_client_p99_ms_100k": round(one_client_p99, 2),
+            "clients": args.clients,
+            "requests": args.clients * args.requests,
+            "workers": args.workers,
+        }
+    )
 
 
 if __name__ == "__main__":

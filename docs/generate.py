@@ -51,8 +51,10 @@ def settings_table() -> str:
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for name, field in Settings.model_fields.items():
         rows.append(f"| `CGSTORE_{name.upper()}` | {_default(field)} | {field.description} |")
-    rows.append(f"| `{MIGRATIONS_DIR_ENV}` | `<repo>/migrations` | where Alembic revisions live, "
-                "for installs outside the repository (read by `cgstore db upgrade`) |")
+    rows.append(
+        f"| `{MIGRATIONS_DIR_ENV}` | `<repo>/migrations` | where Alembic revisions live, "
+        "for installs outside the repository (read by `cgstore db upgrade`) |"
+    )
     return "\n".join(rows)
 
 

@@ -42,8 +42,9 @@ def store(request, tmp_path_factory):
     """The store, running, once per configuration: every test using it runs twice."""
     configuration = request.param
     home = tmp_path_factory.mktemp(f"home-{configuration}")
-    with running_store(settings_for(configuration, home, **session_servers(request, configuration)),
-                       configuration) as live:
+    with running_store(
+        settings_for(configuration, home, **session_servers(request, configuration)), configuration
+    ) as live:
         yield live
 
 

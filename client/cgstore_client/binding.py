@@ -164,7 +164,13 @@ def discovery_digest(
 ) -> str:
     """The digest discover matches on (see the module docstring); ``recorded`` may hold other names: ignored."""
     libraries = {name: recorded[name] for name in sorted(RECORDED_ONLY_COMPONENTS) if name in recorded}
-    return digest({
-        "v": 1, "family": family, "envelope": envelope_digest, "sm": sm, "toolchain": toolchain_digest,
-        "recorded": libraries,
-    })
+    return digest(
+        {
+            "v": 1,
+            "family": family,
+            "envelope": envelope_digest,
+            "sm": sm,
+            "toolchain": toolchain_digest,
+            "recorded": libraries,
+        }
+    )

@@ -189,7 +189,9 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[st
 
     kept = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
     specs = {
-        name: TensorSpec(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, data_ptr=t.data_ptr(), data_len=t.nbytes)
+        name: TensorSpec(
+            dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, data_ptr=t.data_ptr(), data_len=t.nbytes
+        )
         for name, t in kept.items()
     }
     serialize_file(specs, os.fspath(path), metadata=None)  # ``kept`` keeps every pointer alive until here

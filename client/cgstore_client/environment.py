@@ -119,7 +119,9 @@ def environment_sm(device: str | None = None) -> str:
     import torch
     from torch._inductor.codecache import get_device_information
 
-    target = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target = (
+        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if target.type == "cuda":
         with torch.cuda.device(target):  # capability of that card, without changing the current device
             information = get_device_information("cuda")

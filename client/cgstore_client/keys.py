@@ -131,7 +131,9 @@ def _check_canonical_types(value: object, *, hashed: bool, path: str) -> None:
         return
     if isinstance(value, float):
         if hashed:
-            raise TypeError(f"{path}: float {value!r} is not allowed in a hashed document; spell it as a decimal string")
+            raise TypeError(
+                f"{path}: float {value!r} is not allowed in a hashed document; spell it as a decimal string"
+            )
         if not math.isfinite(value):
             raise ValueError(f"{path}: non-finite float {value!r}")
         return

@@ -331,7 +331,9 @@ def resolve_lane(
     if verdict is None:
         return _default(KERNEL_LANE_VERDICT_ABSENT, "compiled graph records no kernel-lane verdict")
     if known_lanes is not None and verdict.winner not in known_lanes:
-        return _default(KERNEL_LANE_UNKNOWN_LANE, f"recorded winner {verdict.winner!r} is not a lane this worker builds")
+        return _default(
+            KERNEL_LANE_UNKNOWN_LANE, f"recorded winner {verdict.winner!r} is not a lane this worker builds"
+        )
     if verdict.fit is None:
         return LaneResolution(verdict.winner, KERNEL_LANE_FIT_UNVERIFIED, "no recorded peaks")
     return _refit(verdict.winner, verdict.fit, total, known_lanes)

@@ -269,11 +269,15 @@ class FitBlock:
             self.activation_spike_fraction, ACTIVATION_SPIKE_FRACTION, "kernel_lane.fit.activation_spike_fraction"
         )
         _require_constant(
-            self.fragmentation_headroom_bytes, FRAGMENTATION_HEADROOM_BYTES, "kernel_lane.fit.fragmentation_headroom_bytes"
+            self.fragmentation_headroom_bytes,
+            FRAGMENTATION_HEADROOM_BYTES,
+            "kernel_lane.fit.fragmentation_headroom_bytes",
         )
         peaks = _require_mapping(self.peaks, "kernel_lane.fit.peaks")
         if not peaks:
-            raise MetadataError("kernel_lane.fit.peaks is empty; record no fit block (null) when no peaks were measured")
+            raise MetadataError(
+                "kernel_lane.fit.peaks is empty; record no fit block (null) when no peaks were measured"
+            )
         for lane, peak in peaks.items():
             self._check_peak(lane, peak)
         order = tuple(_require_list(self.order, "kernel_lane.fit.order"))
@@ -319,7 +323,9 @@ class KernelLane:
 
     def __post_init__(self) -> None:
         if self.rule != RULE_FIT_CONSTRAINED_SPEED:
-            raise MetadataError(f"kernel_lane.rule {self.rule!r} is not understood; known: {RULE_FIT_CONSTRAINED_SPEED!r}")
+            raise MetadataError(
+                f"kernel_lane.rule {self.rule!r} is not understood; known: {RULE_FIT_CONSTRAINED_SPEED!r}"
+            )
         _require_constant(self.margin_fraction, MARGIN_FRACTION, "kernel_lane.margin_fraction")
         if self.binding not in BINDINGS:
             raise MetadataError(f"kernel_lane.binding must be one of {sorted(BINDINGS)}, got {self.binding!r}")
@@ -361,7 +367,9 @@ class KernelLane:
         if sorted(fit.order) != list(candidates):
             raise MetadataError(f"kernel_lane.fit.order {list(fit.order)} is not a permutation of the candidates")
         if fit.order[0] != self.winner:
-            raise MetadataError(f"kernel_lane.fit.order must start with the winner {self.winner!r}, got {fit.order[0]!r}")
+            raise MetadataError(
+                f"kernel_lane.fit.order must start with the winner {self.winner!r}, got {fit.order[0]!r}"
+            )
 
     def to_document(self) -> dict[str, object]:
         return {
@@ -480,7 +488,9 @@ _CLOCK_SUBSTRINGS = ("time", "clock", "wall", "created", "updated", "modified", 
 # Whole words (between "_" separators) that mark a wall clock. "date" is a word
 # rather than a substring so that "candidates" and "validated" stay readable.
 _CLOCK_WORDS = frozenset({"at", "date", "dated", "day", "epoch", "ts", "when", "utc"})
-_ISO_DATE_RE = re.compile(r"\A\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}(?::?\d{2})?)?)?\Z")
+_ISO_DATE_RE = re.compile(
+    r"\A\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}(?::?\d{2})?)?)?\Z"
+)
 _ISO_COMPACT_RE = re.compile(r"\A\d{8}T\d{4,6}(?:\.\d+)?(?:Z|[+-]\d{2}:?\d{2})?\Z")
 _DECIMAL_RE = re.compile(r"\A\d+(?:\.\d+)?\Z")
 # Epoch seconds between 2001-09-09 and ~2103, and the same span in ms, us, ns.

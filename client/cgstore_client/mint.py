@@ -143,9 +143,11 @@ class MintResult:
 
     def __repr__(self) -> str:
         # One short line: the report (its whole binding table) is there to read, not to print.
-        return (f"MintResult(path={self.path!r}, digest={self.digest!r}, size={self.size}, "
-                f"graph_digest={self.graph_digest!r}, constants={len(self.report.binding_table)}, "
-                f"constants_path={self.constants_path!r})")
+        return (
+            f"MintResult(path={self.path!r}, digest={self.digest!r}, size={self.size}, "
+            f"graph_digest={self.graph_digest!r}, constants={len(self.report.binding_table)}, "
+            f"constants_path={self.constants_path!r})"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -261,10 +263,14 @@ def _checked_files(files: list[object]) -> list[str]:
     checked = []
     for file in files:
         if not isinstance(file, str):
-            raise MintError(f"AOTInductor produced an in-memory {type(file).__name__} (weights to pickle): not weight-free")
+            raise MintError(
+                f"AOTInductor produced an in-memory {type(file).__name__} (weights to pickle): not weight-free"
+            )
         leaf = os.path.basename(file)
         if leaf.startswith("custom_obj") or leaf == "custom_objs_config.json":
-            raise MintError(f"the program holds custom (torchbind) objects, which AOTI pickles ({leaf}): not pickle-free")
+            raise MintError(
+                f"the program holds custom (torchbind) objects, which AOTI pickles ({leaf}): not pickle-free"
+            )
         if leaf.endswith(("_weights.blob", "_serialized_weights.bin")):
             raise MintError(f"AOTInductor wrote a weights file ({leaf}): not weight-free")
         checked.append(file)
@@ -383,7 +389,9 @@ def _write_derived_constants(program: ExportedProgram, archive_path: str) -> str
     """
 
     path = derived_constants_path(archive_path)
-    tensors = {fqn: value.clone() for fqn, value in sorted(program.constants.items()) if hasattr(value, "untyped_storage")}
+    tensors = {
+        fqn: value.clone() for fqn, value in sorted(program.constants.items()) if hasattr(value, "untyped_storage")
+    }
     if not tensors:
         if os.path.exists(path):
             os.unlink(path)  # a stale file from an earlier mint to the same path would be bound by mistake
@@ -480,5 +488,3 @@ def package_compiled_graph(
 # --------------------------------------------------------------------------
 # The environment: toolchain and sm
 # --------------------------------------------------------------------------
-
-

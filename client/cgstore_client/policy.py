@@ -57,7 +57,9 @@ def compile_configs(inductor_configs: Mapping[str, object] | None = None) -> dic
     return dict(sorted(merged.items()))
 
 
-def settings_digest(inductor_configs: Mapping[str, object] | None = None, settings: Mapping[str, Any] | None = None) -> str:
+def settings_digest(
+    inductor_configs: Mapping[str, object] | None = None, settings: Mapping[str, Any] | None = None
+) -> str:
     """The settings-declaration digest: the compile policy (with the caller's options) and declared settings."""
     document = {"v": 1, "compile_policy": compile_configs(inductor_configs), "settings": dict(settings or {})}
     try:

@@ -186,8 +186,12 @@ def _public_key(jwks: Mapping[str, Any] | list[Mapping[str, Any]], kid: object):
 # --- trust anchors -----------------------------------------------------------------------------
 
 #: RFC 7638 section 3.2: the members of a public JWK its thumbprint hashes, per key type (sorted).
-THUMBPRINT_MEMBERS = {"OKP": ("crv", "kty", "x"), "EC": ("crv", "kty", "x", "y"), "RSA": ("e", "kty", "n"),
-                      "oct": ("k", "kty")}
+THUMBPRINT_MEMBERS = {
+    "OKP": ("crv", "kty", "x"),
+    "EC": ("crv", "kty", "x", "y"),
+    "RSA": ("e", "kty", "n"),
+    "oct": ("k", "kty"),
+}
 #: A SHA-256 thumbprint: 32 bytes in base64url without padding.
 _THUMBPRINT = re.compile(r"[A-Za-z0-9_-]{43}")
 
@@ -238,8 +242,10 @@ class TrustPin:
     def _of_thumbprints(cls, items: list[str]) -> TrustPin:
         bad = [item for item in items if not _THUMBPRINT.fullmatch(item)]
         if bad or not items:
-            raise ConfigError(f"trusted key thumbprints are RFC 7638 SHA-256 thumbprints (43 base64url characters), "
-                              f"not {bad[:3] or items!r}")
+            raise ConfigError(
+                f"trusted key thumbprints are RFC 7638 SHA-256 thumbprints (43 base64url characters), "
+                f"not {bad[:3] or items!r}"
+            )
         return cls(frozenset(items), f"{len(items)} pinned thumbprint(s)")
 
     @classmethod
@@ -247,8 +253,9 @@ class TrustPin:
         try:
             document = json.loads(path.read_text())
         except (OSError, ValueError) as err:
-            raise ConfigError(f"CGSTORE_TRUSTED_JWKS {str(path)[:200]!r} is neither thumbprints nor a readable JWKS "
-                              f"file: {err}") from None
+            raise ConfigError(
+                f"CGSTORE_TRUSTED_JWKS {str(path)[:200]!r} is neither thumbprints nor a readable JWKS file: {err}"
+            ) from None
         if not isinstance(document, Mapping):
             raise ConfigError(f"{path} is not a JWKS (an object with 'keys')")
         return cls._of_jwks(document, str(path))

@@ -240,9 +240,7 @@ def _named_literally(claims: Claims, owner: str, repo: str, action: str) -> bool
 # -- managing -----------------------------------------------------------------------------
 
 
-def can_manage_repo(
-    claims: Claims, owner: str, repo: str, *, platform_principal: bool, holder: str | None
-) -> Decision:
+def can_manage_repo(claims: Claims, owner: str, repo: str, *, platform_principal: bool, holder: str | None) -> Decision:
     validate_owner(owner)
     validate_repo(repo)
     if is_reserved_owner(owner):
@@ -339,8 +337,9 @@ def search_candidates(claims: Claims) -> Select:
     by_name = select(*columns).outerjoin(Owner, Owner.slug == Repo.owner)
     branches = [held, by_name.where(Repo.owner.in_(sorted(owners)))]
     if repos:
-        branches.append(by_name.where(or_(*(and_(Repo.owner == owner, Repo.name == name)
-                                            for owner, name in sorted(repos)))))
+        branches.append(
+            by_name.where(or_(*(and_(Repo.owner == owner, Repo.name == name) for owner, name in sorted(repos))))
+        )
     return union(*branches)
 
 
@@ -372,12 +371,15 @@ def searched_repos(claims: Claims, repos: Iterable[tuple[int, str, str, str, str
         rank = resolve_rank(claims, owner, name, holder=holder)
         if rank is not None:
             ranked.append((rank, owner, name, repo_id, private_reader(claims, visibility)))
-    return [SearchedRepo(repo_id, owner, name, rank, position, reader)
-            for position, (rank, owner, name, repo_id, reader) in enumerate(sorted(ranked))]
+    return [
+        SearchedRepo(repo_id, owner, name, rank, position, reader)
+        for position, (rank, owner, name, repo_id, reader) in enumerate(sorted(ranked))
+    ]
 
 
-def readable_in(searched: Iterable[SearchedRepo], repo_id: ColumnElement[int],
-                publisher: ColumnElement[str]) -> ColumnElement[bool]:
+def readable_in(
+    searched: Iterable[SearchedRepo], repo_id: ColumnElement[int], publisher: ColumnElement[str]
+) -> ColumnElement[bool]:
     """SQL: the records of the ``searched`` repos the caller may read, by their ``repo_id`` and ``publisher``.
 
     Every record of a repo whose ``reader`` is None; only the reader's own in a
@@ -386,8 +388,10 @@ def readable_in(searched: Iterable[SearchedRepo], repo_id: ColumnElement[int],
     by_reader: dict[str | None, list[int]] = {}
     for repo in searched:
         by_reader.setdefault(repo.reader, []).append(repo.id)
-    terms = [repo_id.in_(ids) if reader is None else and_(repo_id.in_(ids), publisher == reader)
-             for reader, ids in sorted(by_reader.items(), key=lambda item: item[0] or "")]
+    terms = [
+        repo_id.in_(ids) if reader is None else and_(repo_id.in_(ids), publisher == reader)
+        for reader, ids in sorted(by_reader.items(), key=lambda item: item[0] or "")
+    ]
     return or_(*terms) if terms else false()
 
 
@@ -401,18 +405,14 @@ def can_attenuate(
 
     ``held_owners``: the owners ``parent.sub`` holds among those the child names literally.
     """
-    wider = [
-        f"grant {g.to_cli()}" for g in grants if not is_subset((g,), parent.grants, held_owners=held_owners)
-    ]
+    wider = [f"grant {g.to_cli()}" for g in grants if not is_subset((g,), parent.grants, held_owners=held_owners)]
     if exp > parent.exp:
         wider.append(f"exp {exp} is later than the parent's {parent.exp}")
     if plt and not parent.plt:
         wider.append("plt (the parent is not a platform token)")
     if not wider:
         return ALLOWED
-    return _refuse(
-        Denied(f"the requested token is wider than its parent: {'; '.join(wider)}", wider=wider)
-    )
+    return _refuse(Denied(f"the requested token is wider than its parent: {'; '.join(wider)}", wider=wider))
 
 
 # -- metrics ----------------------------------------------------------------------------

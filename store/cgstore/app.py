@@ -100,8 +100,13 @@ OPENAPI_LINKS: dict[tuple[str, str, tuple[str, ...]], list[tuple[str, str, dict[
     ("post", "/v1/owners", ("201",)): [("put", _REPO, {"owner": "$response.body#/slug"})],
     ("put", _REPO, ("200", "201")): [
         (method, _REPO + path, {"owner": "$response.body#/owner", "repo": "$response.body#/name"})
-        for method, path in (("post", "/uploads"), ("get", "/compiled-graphs"), ("post", "/preflight"),
-                             ("post", "/blobs:missing"), ("put", "/compiled-graphs/{key}"))
+        for method, path in (
+            ("post", "/uploads"),
+            ("get", "/compiled-graphs"),
+            ("post", "/preflight"),
+            ("post", "/blobs:missing"),
+            ("put", "/compiled-graphs/{key}"),
+        )
     ],
     ("post", _REPO + "/uploads", ("202",)): [
         (method, _REPO + "/uploads/{session_id}", {**_SAME_REPO, "session_id": "$response.header.Upload-Id"})
@@ -166,8 +171,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # /docs serves Swagger UI 5 (OpenAPI 3.1) from the store itself: GPU clusters are often
     # air-gapped, and FastAPI's default page loads it from a CDN. ReDoc is not served.
     app = FastAPIOffline(
-        title="cgstore", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES,
-        redoc_url=None, static_url="/docs-static",
+        title="cgstore",
+        version=__version__,
+        lifespan=lifespan,
+        responses=ERROR_RESPONSES,
+        redoc_url=None,
+        static_url="/docs-static",
         # The one input rule for query text (core/inputs.py), checked before any route's own work.
         dependencies=[Depends(refuse_unstorable_parameters)],
     )
@@ -178,8 +187,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(ConsoleHeaders)
     # Each router carries its prefix: with FastAPI 0.165 a prefix given here would
     # leave route.path relative, and metrics and the audit label requests by it.
-    for router in (health_router, tokens_router, owners_router, repos_router, blobs_router, audit_router,
-                   compiled_graphs_router, compiled_graphs_resolve_router, admin_router, console_router):
+    for router in (
+        health_router,
+        tokens_router,
+        owners_router,
+        repos_router,
+        blobs_router,
+        audit_router,
+        compiled_graphs_router,
+        compiled_graphs_resolve_router,
+        admin_router,
+        console_router,
+    ):
         app.include_router(router)
     install_slash_redirects(app, settings.public_url)
     install_request_schemas(app)

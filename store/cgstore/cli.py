@@ -35,6 +35,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(principal_app, name="principal")
 app.add_typer(uploads_app, name="uploads")
 
+
 @app.callback()
 def _private_by_default() -> None:
     """Every command creates state private to the service user (files libraries create included)."""
@@ -94,7 +95,9 @@ def serve(
 @db_app.command("upgrade")
 def db_upgrade(
     revision: str = "head",
-    wait: Annotated[str, typer.Option(help="Retry connecting this long first (90s, 2m) while the database starts.")] = "0s",
+    wait: Annotated[
+        str, typer.Option(help="Retry connecting this long first (90s, 2m) while the database starts.")
+    ] = "0s",
 ) -> None:
     """Migrate CGSTORE_DATABASE_URL to ``revision`` (default: the newest)."""
     from sqlalchemy.exc import OperationalError
@@ -231,14 +234,22 @@ def keys_retire(kid: str) -> None:
         with service.db.session() as session:
             changed, resigned = retire(session, service.keys, issuer=Settings().token_issuer, kid=kid)
             if changed or resigned:
-                record(session, actor="cli", jti=None, action="key.retire", target=kid,
-                       detail={"receipts_resigned": resigned})
+                record(
+                    session,
+                    actor="cli",
+                    jti=None,
+                    action="key.retire",
+                    target=kid,
+                    detail={"receipts_resigned": resigned},
+                )
     except StoreError as err:
         raise _fail(err) from None
     if changed:
         typer.echo(f"retired {kid}")
     else:
-        typer.echo(f"{kid} was already retired" + (f"; re-signed {resigned} receipts it still held" if resigned else ""))
+        typer.echo(
+            f"{kid} was already retired" + (f"; re-signed {resigned} receipts it still held" if resigned else "")
+        )
 
 
 @keys_app.command("list")
@@ -269,8 +280,12 @@ def uploads_reap() -> None:
 @app.command("gc")
 def gc_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be deleted; delete nothing.")] = False,
-    grace: Annotated[str | None, typer.Option(help="Keep blobs linked more recently than this (default CGSTORE_GC_GRACE_S).")] = None,
-    batch_size: Annotated[int | None, typer.Option(min=1, max=10_000, help="Blobs per batch (default CGSTORE_GC_BATCH_SIZE).")] = None,
+    grace: Annotated[
+        str | None, typer.Option(help="Keep blobs linked more recently than this (default CGSTORE_GC_GRACE_S).")
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, max=10_000, help="Blobs per batch (default CGSTORE_GC_BATCH_SIZE).")
+    ] = None,
 ) -> None:
     """Delete blobs nothing keeps, reap expired upload sessions and drop staged uploads no session names;
     one line per blob, a JSON summary last."""
@@ -305,7 +320,9 @@ def gc_command(
 @app.command()
 def scrub(
     repo: Annotated[str | None, typer.Option(help="Only the blobs linked into owner/repo.")] = None,
-    sample: Annotated[int | None, typer.Option(min=1, help="Check N blobs picked at random (the cursor stays).")] = None,
+    sample: Annotated[
+        int | None, typer.Option(min=1, help="Check N blobs picked at random (the cursor stays).")
+    ] = None,
     rate: Annotated[float | None, typer.Option(min=0.001, help="Read at most this many MiB/s.")] = None,
     resume: Annotated[bool, typer.Option(help="Continue the last interrupted pass from its cursor.")] = False,
 ) -> None:
@@ -327,7 +344,11 @@ def scrub(
         raise typer.Exit(2)
     try:
         report = run_scrub(
-            ctx, repo=repo, sample=sample, resume=resume, rate_bytes_s=rate * MiB if rate else None,
+            ctx,
+            repo=repo,
+            sample=sample,
+            resume=resume,
+            rate_bytes_s=rate * MiB if rate else None,
             heartbeat=lease.renew,
         )
     except StoreError as err:

@@ -10,7 +10,19 @@ from cgstore.repos.models import Repo
 from cgstore.tokens.models import SigningKey, TokenRecord
 
 __all__ = [
-    "AuditEvent", "Base", "Blob", "CompiledGraph", "CompiledGraphComponent", "Lease", "Owner", "Principal", "Repo",
-    "RepoBlob", "RepoBlobHolder", "ScrubCursor", "SigningKey", "TokenRecord",
+    "AuditEvent",
+    "Base",
+    "Blob",
+    "CompiledGraph",
+    "CompiledGraphComponent",
+    "Lease",
+    "Owner",
+    "Principal",
+    "Repo",
+    "RepoBlob",
+    "RepoBlobHolder",
+    "ScrubCursor",
+    "SigningKey",
+    "TokenRecord",
     "UploadSession",
 ]

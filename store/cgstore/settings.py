@@ -42,7 +42,8 @@ class Settings(BaseSettings):
         json_schema_extra={"shown": "$CGSTORE_HOME/blobs"},
     )
     s3_public_endpoint_url: str | None = Field(
-        None, description="endpoint written into presigned URLs, when clients reach S3 by another name than the store does"
+        None,
+        description="endpoint written into presigned URLs, when clients reach S3 by another name than the store does",
     )
     token_signing_key: Path | None = Field(
         None,
@@ -66,7 +67,8 @@ class Settings(BaseSettings):
     max_blob_bytes: int = Field(64 * GiB, ge=1, description="largest blob accepted (413 `TOO_LARGE` beyond)")
     max_json_bytes: int = Field(1 * MiB, ge=1024, description="largest JSON request body accepted")
     upload_session_ttl_s: int = Field(
-        24 * 3600, ge=1,
+        24 * 3600,
+        ge=1,
         description="idle time after which a resumable upload session expires and its bytes are reclaimed",
     )
     reaper_interval_s: float = Field(60.0, gt=0, description="how often the server reclaims expired upload sessions")
@@ -74,27 +76,33 @@ class Settings(BaseSettings):
         3600.0, gt=0, description="how often the server collects garbage (one replica at a time)"
     )
     gc_grace_s: int = Field(
-        24 * 3600, ge=0,
+        24 * 3600,
+        ge=0,
         description="blobs linked (or yanked records changed) more recently than this are kept; "
         "orphaned multipart writes older than this are aborted",
     )
     gc_batch_size: int = Field(500, ge=1, le=10_000, description="blobs condemned and deleted per GC batch (1–10000)")
     scrub_interval_s: float = Field(
-        0.0, ge=0,
+        0.0,
+        ge=0,
         description="how often the server scrubs the next 100 blobs (under the `scrub` lease, one replica at a "
         "time); `0`: never, only `cgstore scrub`",
     )
     lease_ttl_s: float = Field(
-        120.0, gt=0,
+        120.0,
+        gt=0,
         description="lifetime of a background task's lease (reaper, GC, scrub); a crashed holder's lapses after this",
     )
     s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="multipart part size for S3 writes (≥ 5 MiB)")
     s3_max_concurrency: int = Field(
-        4, ge=1, le=64,
+        4,
+        ge=1,
+        le=64,
         description="parts uploaded in parallel per S3 write (memory ≈ (this + 1) × part size per upload)",
     )
     body_idle_timeout_s: float = Field(
-        30.0, gt=0,
+        30.0,
+        gt=0,
         description="a request body that sends nothing for this long is answered 408 `REQUEST_TIMEOUT` "
         "(and leaves nothing behind)",
     )
@@ -106,11 +114,14 @@ class Settings(BaseSettings):
     )
     keep_alive_timeout_s: float = Field(5.0, gt=0, description="idle keep-alive connections are closed after this")
     max_connections: int = Field(
-        1000, ge=1,
+        1000,
+        ge=1,
         description="connections (and requests) served at once; beyond, 503 `UNAVAILABLE` and closed",
     )
     workers: int = Field(
-        1, ge=1, le=64,
+        1,
+        ge=1,
+        le=64,
         description="server processes `cgstore serve` runs on one port (uvicorn workers); each has its own "
         "database pool, reaper, GC loop (lease-guarded, so still one at a time), denial log and `/metrics` "
         "counters, and `CGSTORE_MAX_CONNECTIONS` applies per process",
@@ -119,22 +130,27 @@ class Settings(BaseSettings):
         40, ge=1, description="threads that run database and storage calls; request bodies never hold one"
     )
     malloc_arenas: int = Field(
-        2, ge=0, le=64,
+        2,
+        ge=0,
+        le=64,
         description="glibc malloc arenas `cgstore serve` allows (`0`: glibc's 8 per core; `MALLOC_ARENA_MAX`, "
         "when set, wins): bounds the RSS that 40 request threads keep (`bench/load.py`)",
     )
     audit_interval_s: float = Field(
-        10.0, gt=0, le=3600,
-        description="repeated 401s are written as one audit row per (source address, code) per interval, "
-        "with a count",
+        10.0,
+        gt=0,
+        le=3600,
+        description="repeated 401s are written as one audit row per (source address, code) per interval, with a count",
     )
     audit_checkpoint_interval_s: float = Field(
-        300.0, gt=0,
+        300.0,
+        gt=0,
         description="how often the audit chain's head is signed into `audit_checkpoints` (if it moved), "
         "under the `audit-checkpoint` lease; `cgstore audit verify` checks them",
     )
     audit_max_sources: int = Field(
-        10_000, ge=1,
+        10_000,
+        ge=1,
         description="distinct 401 sources kept in memory per interval; further ones are counted under source `*`",
     )
     metrics_token: SecretStr | None = Field(
@@ -148,7 +164,9 @@ class Settings(BaseSettings):
         "`cgstore_resolve_answers_total`; every other family is counted as `other`",
     )
     console_aggregates_s: float = Field(
-        30.0, ge=0, le=3600,
+        30.0,
+        ge=0,
+        le=3600,
         description="the admin console's overview and storage figures (whole-registry counts and sums) are "
         "computed at most once per this many seconds per process and shown with their time (older figures are "
         "shown while the next are computed in the background); 0: on every view",
@@ -162,8 +180,14 @@ class Settings(BaseSettings):
         if not value:
             return None
         parsed = urlparse(value)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc or parsed.query or parsed.fragment \
-                or parsed.params or "@" in parsed.netloc:
+        if (
+            parsed.scheme not in ("http", "https")
+            or not parsed.netloc
+            or parsed.query
+            or parsed.fragment
+            or parsed.params
+            or "@" in parsed.netloc
+        ):
             raise ValueError("CGSTORE_PUBLIC_URL is an http(s) URL without credentials, query or fragment")
         return value.rstrip("/")
 

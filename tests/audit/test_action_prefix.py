@@ -43,8 +43,10 @@ def _paged(db: Database, where: AuditFilter, *, limit: int, newest_first: bool) 
 
 def _assert_prefixes_select_as_a_scan(db: Database, actor: str, prefixes: list[str]) -> None:
     with db.session() as session:
-        written = [(row.id, row.action) for row in session.scalars(
-            select(AuditEvent).where(AuditEvent.actor == actor).order_by(AuditEvent.id))]
+        written = [
+            (row.id, row.action)
+            for row in session.scalars(select(AuditEvent).where(AuditEvent.actor == actor).order_by(AuditEvent.id))
+        ]
     for prefix in prefixes:
         expected = [id_ for id_, action in written if action.startswith(prefix)]
         where = AuditFilter(actor=actor, action=prefix + "*")
@@ -57,11 +59,38 @@ def test_a_prefix_pages_exactly_the_entries_whose_action_starts_with_it(store):
     tag = "p" + uuid.uuid4().hex[:6]
     actor = f"prefix-{tag}"
     # '-' < '.' < '/' < 'z' by code point; '%' and '_' are LIKE's wildcards; case differs.
-    actions = [f"{tag}.read", f"{tag}.write", f"{tag}-x", f"{tag}/y", f"{tag}z", tag, f"{tag}.%a", f"{tag}._b",
-               f"{tag}.Read", f"{tag.upper()}.read", f"{tag}.r"]
+    actions = [
+        f"{tag}.read",
+        f"{tag}.write",
+        f"{tag}-x",
+        f"{tag}/y",
+        f"{tag}z",
+        tag,
+        f"{tag}.%a",
+        f"{tag}._b",
+        f"{tag}.Read",
+        f"{tag.upper()}.read",
+        f"{tag}.r",
+    ]
     _write(store.context.db, actor, [actions[(i * 7) % len(actions)] for i in range(3 * len(actions))])
-    prefixes = ["", tag[:3], tag, f"{tag}.", f"{tag}.r", f"{tag}.read", f"{tag}-", f"{tag}/", f"{tag}z", f"{tag}.%",
-                f"{tag}._", f"{tag}.R", tag.upper(), f"{tag}.rea", f"{tag}.read.more", f"{tag}.x"]
+    prefixes = [
+        "",
+        tag[:3],
+        tag,
+        f"{tag}.",
+        f"{tag}.r",
+        f"{tag}.read",
+        f"{tag}-",
+        f"{tag}/",
+        f"{tag}z",
+        f"{tag}.%",
+        f"{tag}._",
+        f"{tag}.R",
+        tag.upper(),
+        f"{tag}.rea",
+        f"{tag}.read.more",
+        f"{tag}.x",
+    ]
     _assert_prefixes_select_as_a_scan(store.context.db, actor, prefixes)
     with store.context.db.session() as session:
         assert _actions_starting(session, f"{tag}.") == sorted(
@@ -85,10 +114,21 @@ def test_other_filters_apply_within_each_action(store):
     tag = "f" + uuid.uuid4().hex[:6]
     with store.context.db.session() as session:
         for i in range(12):
-            record(session, actor=f"prefix-{tag}", jti=None, action=f"{tag}.{'ab'[i % 2]}", target=f"t{i}",
-                   outcome="ok" if i % 3 else "DENIED", repo=f"acme/{tag}" if i < 8 else None)
-    denied = [row.id for row in rows(store, AuditEvent.actor == f"prefix-{tag}", AuditEvent.outcome == "DENIED",
-                                     AuditEvent.repo == f"acme/{tag}")]
+            record(
+                session,
+                actor=f"prefix-{tag}",
+                jti=None,
+                action=f"{tag}.{'ab'[i % 2]}",
+                target=f"t{i}",
+                outcome="ok" if i % 3 else "DENIED",
+                repo=f"acme/{tag}" if i < 8 else None,
+            )
+    denied = [
+        row.id
+        for row in rows(
+            store, AuditEvent.actor == f"prefix-{tag}", AuditEvent.outcome == "DENIED", AuditEvent.repo == f"acme/{tag}"
+        )
+    ]
     assert len(denied) == 3
     where = AuditFilter(action=f"{tag}.*", outcome="DENIED", repo=f"acme/{tag}")
     assert _paged(store.context.db, where, limit=2, newest_first=True) == denied[::-1]
@@ -109,4 +149,3 @@ def test_a_prefix_holds_on_a_postgresql_database_whose_collation_is_not_code_poi
                 assert _actions_starting(session, "key.") == ["key.a", "key.c"]
         finally:
             db.dispose()
-

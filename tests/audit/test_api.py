@@ -34,7 +34,10 @@ def activity(store):
     data, digest = _blob(name)
     with store.client(alice) as client:
         assert client.put(f"/v1/repos/acme/{other}/blobs/{digest}", content=data).status_code == 201
-        assert client.post(f"/v1/repos/acme/{name}/blobs/{digest}:mount", params={"from": f"acme/{other}"}).status_code == 201
+        assert (
+            client.post(f"/v1/repos/acme/{name}/blobs/{digest}:mount", params={"from": f"acme/{other}"}).status_code
+            == 201
+        )
     with store.client(store.mint("mallory", "acme/nothing:read")) as client:
         for _ in range(3):
             assert client.put(f"/v1/repos/acme/{name}/blobs/{digest}", content=data).status_code == 403
@@ -67,7 +70,8 @@ def test_filters(store, admin, activity):
         assert mount.jti and everything[-1].source == "127.0.0.1" and all(e.count == 1 for e in everything)
         assert [e.outcome for e in _page(client, repo=f"acme/{name}", outcome="DENIED").entries] == ["DENIED"] * 3
         assert [e.action for e in _page(client, repo=f"acme/{other}", actor="alice").entries] == [
-            "repo.create", "blob.upload",
+            "repo.create",
+            "blob.upload",
         ]
         assert _page(client, repo=f"acme/{name}", actor="alice", action="blob.*").entries == [mount]
         assert _page(client, repo=f"acme/{name}", action="blob.upload").entries == []
@@ -77,6 +81,7 @@ def test_filters(store, admin, activity):
         assert _page(client, target=f"acme/{name}@").entries == []  # exact unless it ends in '*'
         assert len(_page(client, target=f"/v1/repos/acme/{name}/*").entries) == 3
 
+
 def test_time_range(store, admin, activity):
     name, _, _ = activity
     with store.client(admin) as client:
@@ -84,7 +89,12 @@ def test_time_range(store, admin, activity):
         first, last = entries[0].at, entries[-1].at
         assert _page(client, repo=f"acme/{name}", since=(last + dt.timedelta(seconds=1)).isoformat()).entries == []
         assert _page(client, repo=f"acme/{name}", until=first.isoformat()).entries == []
-        window = _page(client, repo=f"acme/{name}", since=first.isoformat(), until=(last + dt.timedelta(microseconds=1)).isoformat())
+        window = _page(
+            client,
+            repo=f"acme/{name}",
+            since=first.isoformat(),
+            until=(last + dt.timedelta(microseconds=1)).isoformat(),
+        )
         assert window.entries == entries
         # A time without an offset is UTC.
         naive = first.astimezone(dt.UTC).replace(tzinfo=None).isoformat()
@@ -134,8 +144,12 @@ def test_hostile_filter_values_match_the_stored_form(store, admin):
 def test_a_repos_publishes_and_yanks_are_found_by_its_repo(store, admin, pt2_archive):
     """Publish (created, then exists) and yank entries carry the repo, so ``?repo=`` finds a record's history."""
     name = unique_repo("history")
-    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)},
-                      envelope=unique_envelope())
+    pub = publication(
+        pt2_archive,
+        archive_report(pt2_archive),
+        components={"consts": safetensors_bytes(CONSTANTS_A)},
+        envelope=unique_envelope(),
+    )
     with store.client(store.mint("alice", f"acme/{name}:read,write")) as client:
         assert publish(client, "acme", name, pub).status_code == 201
         assert publish(client, "acme", name, pub, send_blobs=False).status_code == 200
@@ -144,6 +158,8 @@ def test_a_repos_publishes_and_yanks_are_found_by_its_repo(store, admin, pt2_arc
         assert yanked.status_code == 200, yanked.text
         entries = _page(client, repo=f"acme/{name}", action="compiled_graph.*").entries
     assert [(e.action, e.detail.get("result")) for e in entries] == [
-        ("compiled_graph.publish", "created"), ("compiled_graph.publish", "exists"), ("compiled_graph.yank", None),
+        ("compiled_graph.publish", "created"),
+        ("compiled_graph.publish", "exists"),
+        ("compiled_graph.yank", None),
     ]
     assert {e.target for e in entries} == {f"acme/{name}:{pub.key}"}

@@ -71,8 +71,15 @@ def test_any_text_is_storable_on_both_databases(store, value):
     marker = unique_repo("hostile")
     with store.context.db.session() as session:
         record(
-            session, actor=value, jti=value, action=value, target=marker + value,
-            repo=value, outcome=value, source=value, detail={value: value},
+            session,
+            actor=value,
+            jti=value,
+            action=value,
+            target=marker + value,
+            repo=value,
+            outcome=value,
+            source=value,
+            detail={value: value},
         )
     (stored,) = rows(store, AuditEvent.target.startswith(marker))
     assert len(stored.target) <= TARGET_LEN

@@ -40,7 +40,20 @@ from tests.support.live_store import CONFIGURATIONS, unique_repo
 
 DATA = b"audited bytes"
 DIGEST = "blake3:" + blake3.blake3(DATA).hexdigest()
-CHAIN_COLUMNS = ("at", "actor", "jti", "action", "target", "repo", "outcome", "source", "count", "detail", "prev", "digest")
+CHAIN_COLUMNS = (
+    "at",
+    "actor",
+    "jti",
+    "action",
+    "target",
+    "repo",
+    "outcome",
+    "source",
+    "count",
+    "detail",
+    "prev",
+    "digest",
+)
 
 
 @dataclass
@@ -53,8 +66,14 @@ class Log:
     def write(self, n: int) -> list[int]:
         for i in range(n):
             with self.db.session() as session:
-                record(session, actor="writer", jti=None, action=f"test.entry{i}", target=f"t{i}",
-                       detail={"i": i, "float": 0.1, "list": ["a", None]})
+                record(
+                    session,
+                    actor="writer",
+                    jti=None,
+                    action=f"test.entry{i}",
+                    target=f"t{i}",
+                    detail={"i": i, "float": 0.1, "list": ["a", None]},
+                )
         with self.db.session() as session:
             return list(session.scalars(select(AuditEvent.id).order_by(AuditEvent.id)))
 
@@ -73,8 +92,13 @@ class Log:
             if conn.dialect.name == "postgresql":
                 conn.execute(text("SET LOCAL session_replication_role = replica"))
             else:
-                for trigger in ("audit_events_no_update", "audit_events_no_delete", "audit_checkpoints_no_update",
-                                "audit_checkpoints_no_delete", "audit_head_no_delete"):
+                for trigger in (
+                    "audit_events_no_update",
+                    "audit_events_no_delete",
+                    "audit_checkpoints_no_update",
+                    "audit_checkpoints_no_delete",
+                    "audit_head_no_delete",
+                ):
                     conn.execute(text(f"DROP TRIGGER IF EXISTS {trigger}"))
             yield conn
 
@@ -174,8 +198,11 @@ def test_a_rewritten_chain_is_caught_by_the_signed_checkpoint(log):
         forged.append((event.id, copy))
     with log.untriggered() as conn:
         for event_id, copy in forged:
-            conn.execute(update(AuditEvent).where(AuditEvent.id == event_id)
-                         .values(outcome=copy.outcome, prev=copy.prev, digest=copy.digest))
+            conn.execute(
+                update(AuditEvent)
+                .where(AuditEvent.id == event_id)
+                .values(outcome=copy.outcome, prev=copy.prev, digest=copy.digest)
+            )
         conn.execute(text("UPDATE audit_head SET digest = :digest"), {"digest": prev})
     _verify_fails(log, ids[-1], "content edited (its digest differs from the signed checkpoint's)")
 
@@ -205,8 +232,13 @@ def test_the_migration_starts_the_chain_after_the_existing_entries(empty_url, tm
     try:
         with db.engine.begin() as conn:  # two entries from before the chain (a gap between them, as sequences leave)
             for old_id in (7, 9):
-                conn.execute(text("INSERT INTO audit_events (id, at, actor, action, target, outcome, count, detail) "
-                                  "VALUES (:id, CURRENT_TIMESTAMP, 'old', 'test.old', 't', 'ok', 1, '{}')"), {"id": old_id})
+                conn.execute(
+                    text(
+                        "INSERT INTO audit_events (id, at, actor, action, target, outcome, count, detail) "
+                        "VALUES (:id, CURRENT_TIMESTAMP, 'old', 'test.old', 't', 'ok', 1, '{}')"
+                    ),
+                    {"id": old_id},
+                )
         migrate.upgrade(empty_url)
         log = Log(db, Settings(home=tmp_path / "home", database_url=empty_url))
         assert log.write(2) == [7, 9, 10, 11]
@@ -279,17 +311,33 @@ def test_a_key_planted_in_the_ring_signs_nothing_for_a_pinned_jwks(log, tmp_path
     with log.db.session() as session:  # rechain the edited entry, sign the new head with the planted key
         event = session.get(AuditEvent, ids[-1])
         forged = chain.entry_digest(event)
-        session.add(SigningKey(kid=key_id(planted.public_key()), public_key=public_pem(planted.public_key()),
-                               created_at=utcnow()))
-        claims = {"iss": "cgstore", "aud": chain.CHECKPOINT_AUDIENCE, "iat": 0, "audit_id": ids[-1], "digest": forged,
-                  "start": ids[0]}
-        statement = jwt.encode(claims, planted, algorithm="EdDSA",
-                               headers={"kid": key_id(planted.public_key()), "typ": chain.CHECKPOINT_TYP})
+        session.add(
+            SigningKey(
+                kid=key_id(planted.public_key()), public_key=public_pem(planted.public_key()), created_at=utcnow()
+            )
+        )
+        claims = {
+            "iss": "cgstore",
+            "aud": chain.CHECKPOINT_AUDIENCE,
+            "iat": 0,
+            "audit_id": ids[-1],
+            "digest": forged,
+            "start": ids[0],
+        }
+        statement = jwt.encode(
+            claims,
+            planted,
+            algorithm="EdDSA",
+            headers={"kid": key_id(planted.public_key()), "typ": chain.CHECKPOINT_TYP},
+        )
         session.execute(text("UPDATE audit_head SET digest = :digest"), {"digest": forged})
     with log.untriggered() as conn:
         conn.execute(update(AuditEvent).where(AuditEvent.id == ids[-1]).values(digest=forged))
-        conn.execute(update(AuditCheckpoint).where(AuditCheckpoint.audit_id == ids[-1])
-                     .values(digest=forged, statement=statement, kid=key_id(planted.public_key())))
+        conn.execute(
+            update(AuditCheckpoint)
+            .where(AuditCheckpoint.audit_id == ids[-1])
+            .values(digest=forged, statement=statement, kid=key_id(planted.public_key()))
+        )
     assert log.cli("verify").exit_code == 0  # the table vouches for the planted key (see docs/security.md)
     result = log.cli("verify", "--keys", str(tmp_path / "jwks.json"))
     assert result.exit_code == 1
@@ -310,7 +358,11 @@ def test_the_database_refuses_to_change_a_checkpoint_or_delete_the_head(log):
     checkpoint needs the triggers out of the way first, as editing an entry does."""
     log.write(3)
     _checkpoint(log)
-    statements = ["UPDATE audit_checkpoints SET digest = 'x'", "DELETE FROM audit_checkpoints", "DELETE FROM audit_head"]
+    statements = [
+        "UPDATE audit_checkpoints SET digest = 'x'",
+        "DELETE FROM audit_checkpoints",
+        "DELETE FROM audit_head",
+    ]
     if log.db.engine.dialect.name == "postgresql":
         statements += ["TRUNCATE audit_checkpoints", "TRUNCATE audit_head"]
     for statement in statements:
@@ -412,8 +464,13 @@ def test_the_migration_records_where_the_chain_starts(empty_url, tmp_path):
     try:
         with db.engine.begin() as conn:
             for old_id in (7, 9):
-                conn.execute(text("INSERT INTO audit_events (id, at, actor, action, target, outcome, count, detail) "
-                                  "VALUES (:id, CURRENT_TIMESTAMP, 'old', 'test.old', 't', 'ok', 1, '{}')"), {"id": old_id})
+                conn.execute(
+                    text(
+                        "INSERT INTO audit_events (id, at, actor, action, target, outcome, count, detail) "
+                        "VALUES (:id, CURRENT_TIMESTAMP, 'old', 'test.old', 't', 'ok', 1, '{}')"
+                    ),
+                    {"id": old_id},
+                )
         migrate.upgrade(empty_url, "0015_audit_action_pages")
         log = Log(db, Settings(home=tmp_path / "home", database_url=empty_url))
         assert log.write(2) == [7, 9, 10, 11]
@@ -440,8 +497,9 @@ def test_a_saved_checkpoint_verifies_offline_and_an_extended_log_extends_it(log,
     ids = log.write(3)
     saved = _save(log, tmp_path / "cp.json")
     # Offline: the file alone verifies (its JWK), and the signed claims are the entry's.
-    claims = jwt.decode(saved["statement"], jwt.PyJWK(saved["jwk"]).key, algorithms=["EdDSA"],
-                        audience=chain.CHECKPOINT_AUDIENCE)
+    claims = jwt.decode(
+        saved["statement"], jwt.PyJWK(saved["jwk"]).key, algorithms=["EdDSA"], audience=chain.CHECKPOINT_AUDIENCE
+    )
     assert (claims["audit_id"], claims["start"]) == (ids[-1], ids[0])
     ids = log.write(4)
     result = log.cli("verify", "--since-checkpoint", str(tmp_path / "cp.json"))
@@ -493,7 +551,12 @@ def test_a_tail_cut_behind_a_saved_checkpoint_is_named(log, tmp_path, then):
     result = log.cli("verify", "--since-checkpoint", str(tmp_path / "cp.json"))
     assert result.exit_code == 1, result.output
     if then == "truncated":
-        assert (f"broken at entry {ids[5]}: entry missing (the saved checkpoint names entry {ids[7]}; "
-                f"the chain ends at entry {ids[4]})") in result.output
+        assert (
+            f"broken at entry {ids[5]}: entry missing (the saved checkpoint names entry {ids[7]}; "
+            f"the chain ends at entry {ids[4]})"
+        ) in result.output
     else:
-        assert f"broken at entry {ids[7]}: content edited (its digest differs from the saved checkpoint's)" in result.output
+        assert (
+            f"broken at entry {ids[7]}: content edited (its digest differs from the saved checkpoint's)"
+            in result.output
+        )

@@ -63,7 +63,10 @@ def test_follow_prints_new_entries_as_they_come(store):
     _write(store, repo, "test.before")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cgstore.cli", "audit", "--repo", repo, "--json", "--follow", "--interval", "0.1"],
-        env={**os.environ, **_env(store)}, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, **_env(store)},
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()

@@ -86,6 +86,7 @@ def test_the_background_task_and_shutdown_flush(start_store, configuration):
     with start_store(configuration, audit_interval_s=0.2) as live:
         name = unique_repo("interval")
         _flood(live, name, 4)
+
         # The flood may straddle a flush: then its 401s are split over two rows per outcome.
         def counted() -> int:
             return sum(row.count for row in rows(live, AuditEvent.target.contains(name)))
@@ -159,7 +160,8 @@ def test_a_401_with_nul_in_the_path_is_audited(store):
     assert answer.status_code == 401
     store.context.denials.flush()
     written = [
-        row for row in rows(store, AuditEvent.outcome == "UNAUTHORIZED")
+        row
+        for row in rows(store, AuditEvent.outcome == "UNAUTHORIZED")
         if any(f"{name}\\x00evil" in path for path in row.detail.get("paths", [])) or f"{name}\\x00evil" in row.target
     ]
     assert written
@@ -182,11 +184,20 @@ def test_a_hidden_404_with_nul_and_surrogates_is_audited(store):
     claims = store.context.tokens.verify(token)
     app = store.server.config.app
     path = f"/v1/repos/acme/{name}/blobs/x\x00y\ud800"
-    request = Request({
-        "type": "http", "method": "GET", "path": path, "raw_path": path.encode("utf-8", "surrogatepass"),
-        "query_string": b"", "headers": [], "app": app, "client": ("192.0.2.7", 1234),
-        "path_params": {"owner": "acme", "repo": name}, "state": {"claims": claims},
-    })
+    request = Request(
+        {
+            "type": "http",
+            "method": "GET",
+            "path": path,
+            "raw_path": path.encode("utf-8", "surrogatepass"),
+            "query_string": b"",
+            "headers": [],
+            "app": app,
+            "client": ("192.0.2.7", 1234),
+            "path_params": {"owner": "acme", "repo": name},
+            "state": {"claims": claims},
+        }
+    )
     anyio.run(audit_denial, request, hidden_miss(BlobUnknown, "blob unknown to this repo \x00\ud800"))
     store.context.denials.flush()  # a hidden miss's row is deferred to the next flush
     (row,) = rows(store, AuditEvent.repo == f"acme/{name}")
@@ -199,14 +210,24 @@ def test_hidden_misses_are_deferred_one_row_each_and_counted_beyond_the_bound(st
     denials = DenialLog(store.context.db, interval_s=NO_FLUSH, max_sources=2)
     marker = unique_repo("deferred")
     for i in range(3):
-        denials.defer(actor="bob", jti=f"j{i}", action="GET x", target=f"/{marker}/{i}", repo=f"acme/{marker}",
-                      outcome="NAME_UNKNOWN", source="192.0.2.3", message="no such compiled graph")
+        denials.defer(
+            actor="bob",
+            jti=f"j{i}",
+            action="GET x",
+            target=f"/{marker}/{i}",
+            repo=f"acme/{marker}",
+            outcome="NAME_UNKNOWN",
+            source="192.0.2.3",
+            message="no such compiled graph",
+        )
     assert denials.pending == 3
     first = last_id(store)
     assert denials.flush() == 3 and denials.pending == 0
     written = rows(store, AuditEvent.id > first, AuditEvent.target.contains(marker))
     assert sorted((row.jti or "", row.count, row.repo or "") for row in written) == [
-        ("", 1, ""), ("j0", 1, f"acme/{marker}"), ("j1", 1, f"acme/{marker}")
+        ("", 1, ""),
+        ("j0", 1, f"acme/{marker}"),
+        ("j1", 1, f"acme/{marker}"),
     ]
     assert all((row.actor, row.outcome, row.source) == ("bob", "NAME_UNKNOWN", "192.0.2.3") for row in written)
 
@@ -223,12 +244,22 @@ def test_a_probe_decides_at_the_flush_whether_a_miss_hid_a_denial(store):
             assert isinstance(session, Session) and session.is_active  # the flush's own session
             asked.append(name)
             return answer
+
         return ask
 
     for name, answer in [("hidden", True), ("absent", False), ("plain-absent", False)]:
         hidden = probe(answer, name) if name != "plain-absent" else False
-        denials.defer(actor="bob", jti=name, action="HEAD x", target=f"/{marker}/{name}", repo=f"acme/{marker}",
-                      outcome="BLOB_UNKNOWN", source="192.0.2.4", message="blob unknown to this repo", hidden=hidden)
+        denials.defer(
+            actor="bob",
+            jti=name,
+            action="HEAD x",
+            target=f"/{marker}/{name}",
+            repo=f"acme/{marker}",
+            outcome="BLOB_UNKNOWN",
+            source="192.0.2.4",
+            message="blob unknown to this repo",
+            hidden=hidden,
+        )
     assert asked == []  # nothing asked on the request path
     first = last_id(store)
     assert denials.flush() == 1 and denials.pending == 0
@@ -243,8 +274,17 @@ def test_a_failed_flush_keeps_the_probed_misses(tmp_path):
     db = Database(url)
     try:
         denials = DenialLog(db, interval_s=NO_FLUSH, max_sources=10)
-        denials.defer(actor="bob", jti="j", action="GET x", target="/acme/x", repo="acme/x", outcome="NAME_UNKNOWN",
-                      source="192.0.2.5", message="no such compiled graph", hidden=lambda session, at: True)
+        denials.defer(
+            actor="bob",
+            jti="j",
+            action="GET x",
+            target="/acme/x",
+            repo="acme/x",
+            outcome="NAME_UNKNOWN",
+            source="192.0.2.5",
+            message="no such compiled graph",
+            hidden=lambda session, at: True,
+        )
         with pytest.raises(sqlalchemy.exc.OperationalError, match="no such table: audit_"):
             denials.flush()
         assert denials.pending == 1
@@ -261,7 +301,12 @@ def test_an_aggregate_keeps_bounded_samples_of_huge_paths(store):
     denials = DenialLog(store.context.db, interval_s=NO_FLUSH, max_sources=10)
     marker = unique_repo("huge")
     for i in range(20):
-        denials.count(source="192.0.2.9", outcome="UNAUTHORIZED", message="m" * 10_000 + str(i), path=f"/{marker}/{i}" + "p" * 100_000)
+        denials.count(
+            source="192.0.2.9",
+            outcome="UNAUTHORIZED",
+            message="m" * 10_000 + str(i),
+            path=f"/{marker}/{i}" + "p" * 100_000,
+        )
     first = last_id(store)
     denials.flush()
     (row,) = rows(store, AuditEvent.id > first, AuditEvent.target.contains(marker))

@@ -64,5 +64,8 @@ def test_every_mutation_is_audited_once(store, admin):
 
     admin_jti = store.context.tokens.verify(admin).jti
     by_admin = [e for e in _entries(store, admin, jti=admin_jti) if e["target"] in (minted["jti"], child["jti"])]
-    assert [(e["action"], e["target"]) for e in by_admin] == [("token.mint", minted["jti"]), ("token.revoke", child["jti"])]
+    assert [(e["action"], e["target"]) for e in by_admin] == [
+        ("token.mint", minted["jti"]),
+        ("token.revoke", child["jti"]),
+    ]
     assert by_admin[1]["detail"]["revoked"] == 1

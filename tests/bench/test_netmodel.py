@@ -93,8 +93,10 @@ def test_bytes_cross_intact_both_ways_and_connections_close(server):
     with netmodel.shaped_proxy("127.0.0.1", server.port, shape) as proxy:
         requests = [os.urandom(2 * MiB + i) for i in range(3)]
         answers: dict[int, bytes] = {}
-        threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, exchange(proxy.port, requests[i])))
-                   for i in range(3)]
+        threads = [
+            threading.Thread(target=lambda i=i: answers.__setitem__(i, exchange(proxy.port, requests[i])))
+            for i in range(3)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -225,9 +225,9 @@ def test_blob_stored_once_and_knowing_a_digest_grants_nothing(store, repo):
     with store.client(other) as client:
         # Bob's repo does not have it, though the store does.
         assert client.head(f"/v1/repos/acme/{other_repo}/blobs/{digest}").status_code == 404
-        assert client.post(
-            f"/v1/repos/acme/{other_repo}/blobs:missing", json={"digests": [digest]}
-        ).json() == {"missing": [digest]}
+        assert client.post(f"/v1/repos/acme/{other_repo}/blobs:missing", json={"digests": [digest]}).json() == {
+            "missing": [digest]
+        }
         # Mounting from a repo Bob cannot read answers like a missing blob.
         mount = client.post(f"/v1/repos/acme/{other_repo}/blobs/{digest}:mount", params={"from": f"acme/{name}"})
         assert mount.status_code == 404 and error_code(mount) == "BLOB_UNKNOWN"

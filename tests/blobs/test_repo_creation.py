@@ -84,7 +84,10 @@ def test_upload_session_call_through_another_repo_creates_no_repo(store, fresh):
         through_other = f"/v1/repos/acme/{other}/uploads/{session_id}"
         for method in ("GET", "PATCH", "PUT", "DELETE"):
             response = client.request(
-                method, through_other, params={"digest": digest_of(b"x")}, content=b"x",
+                method,
+                through_other,
+                params={"digest": digest_of(b"x")},
+                content=b"x",
                 headers={"Content-Range": "0-0"},
             )
             assert response.status_code == 404 and response.json()["error"]["code"] == "BLOB_UPLOAD_UNKNOWN"

@@ -154,7 +154,10 @@ def test_digest_mismatch_at_commit_consumes_the_session(store):
         assert mismatch.status_code == 400 and mismatch.json()["error"]["code"] == "DIGEST_INVALID"
         for method in ("GET", "PATCH", "PUT"):
             again = client.request(
-                method, location, params={"digest": digest_of(data)}, content=b"x",
+                method,
+                location,
+                params={"digest": digest_of(data)},
+                content=b"x",
                 headers={"Content-Range": f"{len(data)}-{len(data)}"},
             )
             assert again.status_code == 404 and again.json()["error"]["code"] == "BLOB_UPLOAD_UNKNOWN", method

@@ -73,11 +73,15 @@ def test_session_accepts_exactly_the_limit_and_refuses_one_byte_more(limited):
         # The last byte of the limit in the commit's own body: accepted too.
         location = _session(client, name)
         other = os.urandom(LIMIT)
-        assert client.patch(location, content=other[:-1], headers={"Content-Range": f"0-{LIMIT - 2}"}).status_code == 202
+        assert (
+            client.patch(location, content=other[:-1], headers={"Content-Range": f"0-{LIMIT - 2}"}).status_code == 202
+        )
         assert client.put(location, params={"digest": digest_of(other)}, content=pieces(other[-1:])).status_code == 201
         # One byte more, declared by a chunk: 413, and the session keeps its offset.
         location = _session(client, name)
-        assert client.patch(location, content=over[:LIMIT], headers={"Content-Range": f"0-{LIMIT - 1}"}).status_code == 202
+        assert (
+            client.patch(location, content=over[:LIMIT], headers={"Content-Range": f"0-{LIMIT - 1}"}).status_code == 202
+        )
         refused = client.patch(location, content=over[LIMIT:], headers={"Content-Range": f"{LIMIT}-{LIMIT}"})
         assert refused.status_code == 413 and error_code(refused) == "TOO_LARGE", refused.text
         assert client.get(location).headers["upload-offset"] == str(LIMIT)
@@ -114,10 +118,16 @@ def test_a_chunk_over_the_limit_only_with_its_offset_is_refused_before_its_body(
         assert client.patch(location, content=os.urandom(1000), headers={"Content-Range": "0-999"}).status_code == 202
     session_id = location.rsplit("/", 1)[1]
     length = LIMIT - 500  # under the limit alone; 1000 + length passes it
-    answer = _headers_only(live, location, {
-        "Authorization": f"Bearer {token}", "Content-Range": f"1000-{1000 + length - 1}",
-        "Content-Length": str(length), "Content-Type": "application/octet-stream",
-    })
+    answer = _headers_only(
+        live,
+        location,
+        {
+            "Authorization": f"Bearer {token}",
+            "Content-Range": f"1000-{1000 + length - 1}",
+            "Content-Length": str(length),
+            "Content-Type": "application/octet-stream",
+        },
+    )
     # Answered with none of the body sent: nothing of it was waited for, let alone read.
     assert answer.startswith(b"HTTP/1.1 413 ") and b'"TOO_LARGE"' in answer, answer[:300]
     with live.client(token) as client:

@@ -46,12 +46,23 @@ def test_a_receipt_vouches_for_exactly_its_record():
     key = Ed25519PrivateKey.generate()
     x = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
     jwks = {"keys": [{"kty": "OKP", "crv": "Ed25519", "x": _b64(x), "kid": "k1", "alg": "EdDSA"}]}
-    entry = {"key": "ck1-" + "1" * 56, "repo": "acme/models", "artifact": {"digest": "blake3:" + "a" * 64, "size": 3},
-             "components": [{"name": "derived-constants", "digest": "blake3:" + "b" * 64, "size": 1}]}
-    signed = {"iss": "cgstore", "aud": RECEIPT_AUDIENCE, "iat": int(time.time()), "repo": "acme/models",
-              "key": entry["key"], "artifact": entry["artifact"]["digest"],
-              "components": {"derived-constants": "blake3:" + "b" * 64}, "graph": "blake3:" + "c" * 64,
-              "publisher": "minter"}
+    entry = {
+        "key": "ck1-" + "1" * 56,
+        "repo": "acme/models",
+        "artifact": {"digest": "blake3:" + "a" * 64, "size": 3},
+        "components": [{"name": "derived-constants", "digest": "blake3:" + "b" * 64, "size": 1}],
+    }
+    signed = {
+        "iss": "cgstore",
+        "aud": RECEIPT_AUDIENCE,
+        "iat": int(time.time()),
+        "repo": "acme/models",
+        "key": entry["key"],
+        "artifact": entry["artifact"]["digest"],
+        "components": {"derived-constants": "blake3:" + "b" * 64},
+        "graph": "blake3:" + "c" * 64,
+        "publisher": "minter",
+    }
     receipt = _jws(key, "k1", signed)
     assert verify_jws_receipt(entry, receipt, jwks) == signed
     tampered = {**entry, "artifact": {"digest": "blake3:" + "c" * 64, "size": 3}}

@@ -35,10 +35,14 @@ def test_discovery_digest_vector(vector):
     given = vector["input"]
     envelope, toolchain = Envelope.from_dict(given["envelope"]), Toolchain(given["components"])
     assert (envelope.digest, toolchain.digest, dict(toolchain.recorded)) == (
-        vector["envelope_digest"], vector["toolchain_digest"], vector["recorded"]
+        vector["envelope_digest"],
+        vector["toolchain_digest"],
+        vector["recorded"],
     )
-    assert discovery_digest(given["family"], envelope.digest, given["sm"], toolchain.digest,
-                            toolchain.recorded) == vector["digest"]
+    assert (
+        discovery_digest(given["family"], envelope.digest, given["sm"], toolchain.digest, toolchain.recorded)
+        == vector["digest"]
+    )
 
 
 @pytest.mark.parametrize("vector", VECTORS["code_fingerprints"], ids=_ids(VECTORS["code_fingerprints"]))
@@ -62,7 +66,8 @@ def test_the_model_libraries_move_the_discovery_digest_and_keyed_order_does_not(
     assert len(digests) == 2
     # Names other than the model libraries are not the recorded part of a declaration.
     assert discovery_digest("f", envelope.digest, "sm_90", "t", {"other": "1"}) == discovery_digest(
-        "f", envelope.digest, "sm_90", "t", {})
+        "f", envelope.digest, "sm_90", "t", {}
+    )
 
 
 def test_the_module_imports_no_torch():

@@ -50,8 +50,9 @@ def derived_key(archive: Path) -> str:
 
 
 def publish(client: Client, repo: str, archive: Path, **kwargs):
-    return client.publish(repo, archive, family=FAMILY, envelope=ENVELOPE, toolchain=TOOLCHAIN,
-                          sm=inspect(archive).sm, **kwargs)
+    return client.publish(
+        repo, archive, family=FAMILY, envelope=ENVELOPE, toolchain=TOOLCHAIN, sm=inspect(archive).sm, **kwargs
+    )
 
 
 WORKER_2 = """
@@ -82,7 +83,10 @@ def test_boot_story_miss_mint_publish_then_another_process_loads_and_binds(store
     reader = store.mint("worker-2", f"{repo}:read")
     worker_2 = subprocess.run(
         [sys.executable, "-c", WORKER_2, store.base_url, reader, str(tmp_path / "worker-2"), FAMILY, key],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert worker_2.returncode == 0, worker_2.stderr[-3000:]
     outcome = json.loads(worker_2.stdout.strip().splitlines()[-1])
@@ -203,7 +207,9 @@ def test_eight_processes_booting_together_download_each_blob_once(store, publish
     repo, token, key = published
     gets = blob_gets(store)
     spawn = multiprocessing.get_context("spawn")
-    children = [spawn.Process(target=_load_in_child, args=(store.base_url, token, str(tmp_path), key)) for _ in range(8)]
+    children = [
+        spawn.Process(target=_load_in_child, args=(store.base_url, token, str(tmp_path), key)) for _ in range(8)
+    ]
     for child in children:
         child.start()
     for child in children:
@@ -220,8 +226,9 @@ def test_a_load_fetches_big_blobs_as_ranged_parts(store, published, minted, tmp_
     sizes = [minted.stat().st_size, Path(derived_constants_path(minted)).stat().st_size]
     assert sizes[0] > 8 * part
     gets = blob_gets(store)
-    with Client(store.base_url, token, cache_dir=tmp_path / "c", download_connections=3,
-                download_part_bytes=part) as client:
+    with Client(
+        store.base_url, token, cache_dir=tmp_path / "c", download_connections=3, download_part_bytes=part
+    ) as client:
         (loaded,) = client.load(FAMILY, [Want(key, mandatory=True)])
     assert loaded.artifact_path.read_bytes() == minted.read_bytes()
     assert loaded.component_paths[DERIVED_COMPONENT].read_bytes() == Path(derived_constants_path(minted)).read_bytes()
@@ -312,7 +319,9 @@ def unseen_bytes(archive: Path, directory: Path) -> Path:
 
 
 @pytest.mark.parametrize("configuration", CONFIGURATIONS)
-def test_a_receipt_whose_key_is_still_unknown_after_one_refetch_is_not_served(make_store, configuration, minted, tmp_path):
+def test_a_receipt_whose_key_is_still_unknown_after_one_refetch_is_not_served(
+    make_store, configuration, minted, tmp_path
+):
     """The record's receipt was signed by a key since retired: the JWKS never lists it again.
 
     The client fetches the JWKS, refetches it once, then serves eager (and

@@ -159,7 +159,9 @@ def test_a_connection_dropped_mid_body_resumes_with_range(cut_mid_body, tmp_path
         path = client.fetch_blob(repo, digest, len(data), progress=progress)
     assert path.read_bytes() == data
     assert sum(received) == len(data)  # resumed from where it broke, not restarted
-    assert cache_files(tmp_path) == sorted(["CACHEDIR.TAG", f"blobs/blake3/{digest[7:]}", f"stamps/blake3/{digest[7:]}.json"])
+    assert cache_files(tmp_path) == sorted(
+        ["CACHEDIR.TAG", f"blobs/blake3/{digest[7:]}", f"stamps/blake3/{digest[7:]}.json"]
+    )
 
 
 def _fetch_in_child(url: str, token: str, cache_dir: str, repo: str, digest: str, size: int) -> None:
@@ -206,7 +208,9 @@ def test_a_killed_download_leaves_nothing_visible(store, tmp_path):
         assert http.put(f"/v1/repos/{repo}/blobs/{digest}", content=data).status_code == 201
     child = subprocess.Popen([sys.executable, "-c", SLOW_FETCH, store.base_url, token, str(tmp_path), repo, digest])
     deadline = time.monotonic() + 60
-    while not list((tmp_path / "tmp").glob("*.part")) or not any(p.stat().st_size for p in (tmp_path / "tmp").glob("*.part")):
+    while not list((tmp_path / "tmp").glob("*.part")) or not any(
+        p.stat().st_size for p in (tmp_path / "tmp").glob("*.part")
+    ):
         assert time.monotonic() < deadline and child.poll() is None
         time.sleep(0.05)
     child.send_signal(signal.SIGKILL)
@@ -238,8 +242,13 @@ def test_uploads_monolithic_and_resumable_session_after_a_drop(store, tmp_path, 
 
     monkeypatch.setattr(client_module, "file_chunks", chunks_cut_once)
     try:
-        with Client(f"http://127.0.0.1:{proxy.port}", token, cache_dir=tmp_path / "cache", retry=FAST,
-                    chunked_threshold=1024 * 1024) as client:
+        with Client(
+            f"http://127.0.0.1:{proxy.port}",
+            token,
+            cache_dir=tmp_path / "cache",
+            retry=FAST,
+            chunked_threshold=1024 * 1024,
+        ) as client:
             hashed = client.push_blobs(repo, [small, large])
             assert client.missing(repo, [d for d, _ in hashed.values()]) == []
             assert client.push_blobs(repo, [small, large]) == hashed  # nothing left to send

@@ -38,7 +38,10 @@ def test_configuration_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("CGSTORE_OFFLINE", "1")
     client = Client()
     assert (client.url, client.token, client.cache.root, client.offline) == (
-        "http://store.example:9000", "from-file", tmp_path / "cache", True,
+        "http://store.example:9000",
+        "from-file",
+        tmp_path / "cache",
+        True,
     )
     assert (tmp_path / "cache" / "CACHEDIR.TAG").exists()
     with pytest.raises(Offline):
@@ -110,8 +113,17 @@ def test_boot_and_discover_spell_out_their_keywords():
     import inspect
 
     boot = inspect.signature(Client.boot).parameters
-    assert {"toolchain", "sm", "release", "code", "mandatory", "confirm", "example_inputs", "checkpoint",
-            "device"} <= set(boot)
+    assert {
+        "toolchain",
+        "sm",
+        "release",
+        "code",
+        "mandatory",
+        "confirm",
+        "example_inputs",
+        "checkpoint",
+        "device",
+    } <= set(boot)
     discover = inspect.signature(Client.discover).parameters
     assert {"release", "binding_signature", "code", "limit"} <= set(discover)
     for parameters in (boot, discover):

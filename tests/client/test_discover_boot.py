@@ -51,8 +51,16 @@ def publish_archive_a(store, pt2_archive, tmp_path, code: str):
     repo = f"acme/{unique_repo()}"
     token = store.mint("mint-child", f"{repo}:read,write")
     with Client(store.base_url, token, cache_dir=tmp_path / "mint-cache") as client:
-        published = client.publish(repo, archive, family=FAMILY, envelope=ENVELOPE, toolchain=environment_toolchain(),
-                                   sm=environment_sm("cpu"), release=RELEASE, code=code)
+        published = client.publish(
+            repo,
+            archive,
+            family=FAMILY,
+            envelope=ENVELOPE,
+            toolchain=environment_toolchain(),
+            sm=environment_sm("cpu"),
+            release=RELEASE,
+            code=code,
+        )
     return repo, token, published.key, inspect(archive).graph_digest
 
 
@@ -152,21 +160,32 @@ def test_confirm_before_reports_a_drifting_candidate_and_serves_the_next_one_hol
             archive.parent.mkdir()
             shutil.copy(source, archive)
             shutil.copy(derived_constants_path(source), derived_constants_path(archive))
-            keys[name] = client.publish(repo, archive, family=FAMILY, envelope=ENVELOPE, release=RELEASE,
-                                        toolchain=environment_toolchain(), sm=environment_sm("cpu")).key
+            keys[name] = client.publish(
+                repo,
+                archive,
+                family=FAMILY,
+                envelope=ENVELOPE,
+                release=RELEASE,
+                toolchain=environment_toolchain(),
+                sm=environment_sm("cpu"),
+            ).key
     live = patched(tiny_model(seed=3))
     with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
-        found = client.discover(FAMILY, envelope=ENVELOPE, sm=environment_sm("cpu"),
-                                toolchain=environment_toolchain(), release=RELEASE)
+        found = client.discover(
+            FAMILY, envelope=ENVELOPE, sm=environment_sm("cpu"), toolchain=environment_toolchain(), release=RELEASE
+        )
         assert [c.key for c in found] == [keys["relu"], keys["sigmoid"]]  # the drifting one is tried first
         booted = boot(client, live, code=False, confirm="before", example_inputs=tiny_inputs())
         assert booted.compiled and booted.confirmation == "confirmed" and booted.loaded.key == keys["sigmoid"]
         with torch.no_grad():  # inductor's fused sigmoid may differ from eager's in the last bits
-            assert all(torch.allclose(booted(*tiny_inputs(b)), live(*tiny_inputs(b)), rtol=1e-5, atol=1e-6)
-                       for b in (1, 2, 5))
+            assert all(
+                torch.allclose(booted(*tiny_inputs(b)), live(*tiny_inputs(b)), rtol=1e-5, atol=1e-6) for b in (1, 2, 5)
+            )
         assert boot(client, live, code=False, mandatory=True, example_inputs=tiny_inputs()).compiled
-        reports = {name: client.transport.request("GET", f"/v1/repos/{repo}/compiled-graphs/{key}").json()
-                   ["drift_reports"] for name, key in keys.items()}
+        reports = {
+            name: client.transport.request("GET", f"/v1/repos/{repo}/compiled-graphs/{key}").json()["drift_reports"]
+            for name, key in keys.items()
+        }
     assert reports == {"relu": 2, "sigmoid": 0}  # each confirming boot told the store about the drifting one
 
 
@@ -291,14 +310,16 @@ def test_five_causes_of_a_miss_say_five_different_things(store, declared, tmp_pa
             "family": client.boot("tiny-discvoer", live, envelope=ENVELOPE, release=RELEASE),
             "batch_sizes": client.boot(FAMILY, live, envelope=document, release=RELEASE),
             "release": client.boot(FAMILY, live, envelope=ENVELOPE, release="endpoint-8"),
-            "torch": boot(client, live, toolchain=Toolchain({**toolchain.components, **toolchain.recorded,
-                                                             "torch": "2.12.0"})),
+            "torch": boot(
+                client, live, toolchain=Toolchain({**toolchain.components, **toolchain.recorded, "torch": "2.12.0"})
+            ),
             "spelling": boot(client, live, toolchain={"torch": torch_version}),
         }
     reasons = {cause: handle.reason for cause, handle in booted.items()}
     assert not any(handle.compiled for handle in booted.values())
-    assert reasons["family"] == ("miss: no record of family 'tiny-discvoer' this token may read "
-                                 f"(did you mean {FAMILY}?)")
+    assert reasons["family"] == (
+        f"miss: no record of family 'tiny-discvoer' this token may read (did you mean {FAMILY}?)"
+    )
     assert reasons["batch_sizes"].endswith("nearest differs in envelope batch_sizes: [1] here, [1, 2, 5] recorded")
     assert reasons["release"].endswith(f"nearest differs in release: endpoint-8 here, {RELEASE} recorded")
     assert reasons["torch"].endswith(f"nearest differs in toolchain torch: 2.12.0 here, {torch_version} recorded")
@@ -314,8 +335,12 @@ def test_the_docs_boot_by_declaration_runs_as_written(make_store, pt2_archive, t
     shutil.copy(pt2_archive, "model.pt2")  # minted from tiny_model (another seed: the weights are the worker's)
     shutil.copy(derived_constants_path(pt2_archive), derived_constants_path("model.pt2"))
     code = example("boot-by-declaration").replace("http://127.0.0.1:8080", live.base_url)
-    scope = {"TOKEN": live.mint("w", "acme/*:read,write"), "model": tiny_model(seed=3),
-             "example_inputs": tiny_inputs(), "__name__": "docs"}
+    scope = {
+        "TOKEN": live.mint("w", "acme/*:read,write"),
+        "model": tiny_model(seed=3),
+        "example_inputs": tiny_inputs(),
+        "__name__": "docs",
+    }
     exec(compile(code, "docs/client.md", "exec"), scope)  # noqa: S102 - the docs' own code
     booted = scope["booted"]
     assert booted.compiled and booted.confirmation == "confirmed"
@@ -347,14 +372,33 @@ def test_a_transformers_model_boots_in_another_process_on_a_save_pretrained_chec
     token = store.mint("mint-child", f"{repo}:read,write")
     envelope = {"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1]}
     with Client(store.base_url, token, cache_dir=tmp_path / "mint-cache") as client:
-        client.publish(repo, archive, family=family, envelope=envelope, toolchain=environment_toolchain(),
-                       sm=environment_sm("cpu"), code=code_fingerprint(tiny_hf_model(name)))
+        client.publish(
+            repo,
+            archive,
+            family=family,
+            envelope=envelope,
+            toolchain=environment_toolchain(),
+            sm=environment_sm("cpu"),
+            code=code_fingerprint(tiny_hf_model(name)),
+        )
     trained = tiny_hf_model(name, seed=1)
     trained.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
     worker = subprocess.run(
-        [sys.executable, "-c", HF_WORKER, store.base_url, token, str(tmp_path / "worker-cache"), name,
-         str(tmp_path / "ckpt" / "model.safetensors"), family],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            HF_WORKER,
+            store.base_url,
+            token,
+            str(tmp_path / "worker-cache"),
+            name,
+            str(tmp_path / "ckpt" / "model.safetensors"),
+            family,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
     )
     assert worker.returncode == 0, worker.stderr[-3000:]
@@ -382,8 +426,9 @@ def test_a_model_that_cannot_be_exported_is_unconfirmed_served_eager_before_and_
 ):
     _, token, _, _ = declared
     with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
-        before = boot(client, unexportable(tiny_model(seed=3)), code=False, confirm="before",
-                      example_inputs=tiny_inputs())
+        before = boot(
+            client, unexportable(tiny_model(seed=3)), code=False, confirm="before", example_inputs=tiny_inputs()
+        )
         background = boot(client, unexportable(tiny_model(seed=3)), code=False, example_inputs=tiny_inputs())
         assert background.wait_confirmed(CONFIRM_TIMEOUT_S) == "skipped"
     assert not before.compiled and before.reason.startswith("unconfirmed") and before.confirmation == "skipped"
@@ -435,8 +480,9 @@ def test_an_edit_to_the_model_class_file_finds_no_candidate_by_code_fingerprint(
     assert served.compiled and served.loaded.key == key and same_outputs(served, original)
     assert not by_code.compiled and by_code.loaded is None
     assert by_code.reason.startswith(f"miss: 1 record of {FAMILY} in ")
-    assert by_code.reason.endswith(f"nearest differs in code: {code_fingerprint(edited)} here, "
-                                   f"{code_fingerprint(original)} recorded")
+    assert by_code.reason.endswith(
+        f"nearest differs in code: {code_fingerprint(edited)} here, {code_fingerprint(original)} recorded"
+    )
     assert by_structure.loaded.key == key and by_structure.confirmation == "drift"
     assert not by_structure.compiled and by_structure.reason.startswith("drift")
 
@@ -451,8 +497,9 @@ def test_a_recorded_library_version_other_than_the_records_finds_no_candidate(st
         newer = boot(client, live, toolchain=other)
     assert same.compiled and same.loaded.key == key
     assert not newer.compiled and newer.loaded is None
-    assert newer.reason.endswith("nearest differs in library transformers: 0.0.1 here, "
-                                 f"{toolchain.recorded.get('transformers')} recorded")
+    assert newer.reason.endswith(
+        f"nearest differs in library transformers: 0.0.1 here, {toolchain.recorded.get('transformers')} recorded"
+    )
 
 
 # -- the structural gate's receipt check (issue 30, section 6) -------------------------------------------------------
@@ -510,8 +557,9 @@ def test_an_offline_boot_refuses_a_cached_candidate_whose_receipt_is_altered_or_
         assert boot(client, live).compiled  # warm: the answer, the record, the blobs and the JWKS cached
     if tamper == "swapped":  # the same archive in another repo: the same key, another record with its own receipt
         (tmp_path / "other").mkdir()
-        _, other_token, other_key, _ = publish_archive_a(store, pt2_archive, tmp_path / "other",
-                                                          code_fingerprint(tiny_model(0)))
+        _, other_token, other_key, _ = publish_archive_a(
+            store, pt2_archive, tmp_path / "other", code_fingerprint(tiny_model(0))
+        )
         assert other_key == key
         with Client(store.base_url, other_token, cache_dir=tmp_path / "other" / "c") as other:
             (hit,) = other.resolve(FAMILY, [key])
@@ -546,8 +594,9 @@ def test_an_online_boot_refuses_a_candidate_whose_receipt_a_retired_key_signed(
     token = live_store.mint("worker", f"{repo}:read")  # signed by the new key
     live = tiny_model(seed=3)
     with Client(live_store.base_url, token, cache_dir=tmp_path / "c") as client:
-        (candidate,) = client.discover(FAMILY, envelope=ENVELOPE, sm=environment_sm("cpu"),
-                                       toolchain=environment_toolchain(), release=RELEASE)
+        (candidate,) = client.discover(
+            FAMILY, envelope=ENVELOPE, sm=environment_sm("cpu"), toolchain=environment_toolchain(), release=RELEASE
+        )
         assert jwt.get_unverified_header(candidate.receipt)["kid"] == signer
         assert signer not in [k["kid"] for k in client.jwks(refresh=True)["keys"]]
         refused = boot(client, live)

@@ -264,5 +264,7 @@ def test_the_projection_renames_symbols_from_the_first_input(program_document: d
 
 def test_graph_digest_from_archive_reads_any_torch_written_pt2(pt2_archive: Path, tmp_path: Path) -> None:
     # Weights and all: a package_pt2-style archive still has a measurable graph.
-    with_weights = rewrite(pt2_archive, tmp_path / "with-weights.pt2", add=[("archive/data/weights/weight_0", b"0" * 64)])
+    with_weights = rewrite(
+        pt2_archive, tmp_path / "with-weights.pt2", add=[("archive/data/weights/weight_0", b"0" * 64)]
+    )
     assert graph_digest_from_archive(with_weights) == graph_digest_from_archive(pt2_archive)

@@ -86,22 +86,32 @@ def test_a_miss_diagnosis_reads_the_nearest_record_on_the_store_whatever_the_ans
 
     digest = hostile.serve_record(BLOB)
     decoy = {**hostile.hit(digest, len(BLOB), f"{sink.url}/steal"), "binding_signature": "bs1:other"}
-    miss = {"detail": f"1 record of {FAMILY} in {REPO}; nearest differs in binding_signature", "records": 1,
-            "repos": [REPO], "nearest": {"key": KEY, "repo": REPO, "differences": [
-                {"axis": "binding_signature", "here": "bs1:mine", "recorded": "bs1:other"}]}}
+    miss = {
+        "detail": f"1 record of {FAMILY} in {REPO}; nearest differs in binding_signature",
+        "records": 1,
+        "repos": [REPO],
+        "nearest": {
+            "key": KEY,
+            "repo": REPO,
+            "differences": [{"axis": "binding_signature", "here": "bs1:mine", "recorded": "bs1:other"}],
+        },
+    }
 
     def discover(body: bytes, headers) -> Answer:  # nothing binds these tensors; without them, the decoy does
         asked = json.loads(body)
-        return json_answer({"candidates": [], "miss": miss} if asked.get("binding_signature") else
-                           {"candidates": [decoy]})
+        return json_answer(
+            {"candidates": [], "miss": miss} if asked.get("binding_signature") else {"candidates": [decoy]}
+        )
 
     hostile.routes[("POST", "/v1/compiled-graphs:discover")] = discover
     with client_of(hostile, tmp_path) as client:
-        booted = client.boot(FAMILY, tiny_model(), envelope={"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1]},
-                             code=False)
+        booted = client.boot(
+            FAMILY, tiny_model(), envelope={"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1]}, code=False
+        )
     assert not booted.compiled and booted.reason.startswith(f"miss: {miss['detail']} ({KEY}: ")
     assert [r[:2] for r in hostile.requests_to(f"/v1/repos/{REPO}/compiled-graphs/")] == [
-        ("GET", f"/v1/repos/{REPO}/compiled-graphs/{KEY}")]  # the diagnosis read the record, on the store
+        ("GET", f"/v1/repos/{REPO}/compiled-graphs/{KEY}")
+    ]  # the diagnosis read the record, on the store
     assert sink.log == []
 
 
@@ -112,7 +122,8 @@ def trickled_resolve(hostile: HostileStore, *, headers_too: bool) -> None:
     """A miss answered a byte every 0.2 s (its headers too, or the body alone): seconds per answer."""
     body = json.dumps({"answers": [{"key": KEY, "status": "miss"}]}).encode()
     hostile.routes[("POST", "/v1/compiled-graphs:resolve")] = lambda b, h: Answer(
-        body, trickle_s=0.2, trickle_head=headers_too)
+        body, trickle_s=0.2, trickle_head=headers_too
+    )
 
 
 @pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
@@ -154,8 +165,12 @@ def byte_per_connection(blob: bytes):
     def answer(body: bytes, headers: dict[str, str]) -> Answer:
         start = int(headers.get("Range", "bytes=0-").removeprefix("bytes=").split("-")[0] or 0)
         span = {"Content-Range": f"bytes {start}-{len(blob) - 1}/{len(blob)}"} if start else {}
-        return Answer(blob[start : start + 1], status=206 if start else 200, length=len(blob) - start,
-                      headers={"Content-Type": "application/octet-stream", **span})
+        return Answer(
+            blob[start : start + 1],
+            status=206 if start else 200,
+            length=len(blob) - start,
+            headers={"Content-Type": "application/octet-stream", **span},
+        )
 
     return answer
 
@@ -216,7 +231,8 @@ def endless(total: int, prefix: bytes = b""):
 def test_an_answer_past_the_bound_is_refused_and_read_no_further(hostile, tmp_path, declared):
     total = 64 * MiB
     hostile.routes[("POST", "/v1/compiled-graphs:resolve")] = lambda b, h: Answer(
-        endless(total, b'{"answers": [{"key": "'), length=total if declared else False)
+        endless(total, b'{"answers": [{"key": "'), length=total if declared else False
+    )
     with client_of(hostile, tmp_path, limits=Limits(max_answer_bytes=MiB)) as client:
         with pytest.raises(TooLarge, match="CGSTORE_MAX_ANSWER_BYTES"):
             client.resolve(FAMILY, [KEY])
@@ -240,7 +256,8 @@ def test_a_blob_past_its_bound_stops_at_the_bound_and_leaves_nothing(hostile, tm
     total = 64 * MiB
     blob_path = f"/v1/repos/{REPO}/blobs/{digest}"
     hostile.routes[("GET", blob_path)] = lambda b, h: Answer(
-        endless(total), length=total if declared else False, headers={"Content-Type": "application/octet-stream"})
+        endless(total), length=total if declared else False, headers={"Content-Type": "application/octet-stream"}
+    )
     with client_of(hostile, tmp_path, limits=Limits(max_blob_bytes=MiB)) as client:
         with pytest.raises(TooLarge):
             client.fetch_blob(REPO, digest, size)
@@ -268,11 +285,17 @@ def test_limits_come_from_arguments_or_the_environment_and_a_bad_value_is_named(
 
 def test_the_thumbprint_is_rfc_7638():
     """RFC 7638 section 3.1 (RSA) and RFC 8037 appendix A.3 (Ed25519) vectors."""
-    rsa = {"kty": "RSA", "e": "AQAB", "kid": "2011-04-29", "n": (
-        "0vx7agoebGcQSuuPiLJXZptN9nndrQmbXEps2aiAFbWhM78LhWx4cbbfAAtVT86zwu1RK7aPFFxuhDR1L6tSoc_BJECPebWKRXjBZCiFV4n3oknjhM"
-        "stn64tZ_2W-5JsGY4Hc5n9yBXArwl93lqt7_RN5w6Cf0h4QyQ5v-65YGjQR0_FDW2QvzqY368QQMicAtaSqzs8KJZgnYb9c7d0zgdAZHzu6qMQvRL"
-        "5hajrn1n91CbOpbISD08qNLyrdkt-bFTWhAI4vMQFh6WeZu0fM4lFd2NcRwr3XPksINHaQ-G_xBniIqbw0Ls1jF44-csFCur-kEgU8awapJzKnqDK"
-        "gw")}
+    rsa = {
+        "kty": "RSA",
+        "e": "AQAB",
+        "kid": "2011-04-29",
+        "n": (
+            "0vx7agoebGcQSuuPiLJXZptN9nndrQmbXEps2aiAFbWhM78LhWx4cbbfAAtVT86zwu1RK7aPFFxuhDR1L6tSoc_BJECPebWKRXjBZCiFV4n3oknjhM"
+            "stn64tZ_2W-5JsGY4Hc5n9yBXArwl93lqt7_RN5w6Cf0h4QyQ5v-65YGjQR0_FDW2QvzqY368QQMicAtaSqzs8KJZgnYb9c7d0zgdAZHzu6qMQvRL"
+            "5hajrn1n91CbOpbISD08qNLyrdkt-bFTWhAI4vMQFh6WeZu0fM4lFd2NcRwr3XPksINHaQ-G_xBniIqbw0Ls1jF44-csFCur-kEgU8awapJzKnqDK"
+            "gw"
+        ),
+    }
     assert jwk_thumbprint(rsa) == "NzbLsXh8uDCcd-6MNwXF4W_7noWXFZAfHkxZsRGC9Xs"
     ed = {"kty": "OKP", "crv": "Ed25519", "x": "11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo", "kid": "any"}
     assert jwk_thumbprint(ed) == "kPrK_qmxVWaYVA9wwBF6Iuo3vVzz7TxHCTwXBygrS4k"

@@ -327,7 +327,16 @@ def test_toolchain_splits_and_sorts():
 
 
 @pytest.mark.parametrize(
-    "sm", ["sm_90", "sm_100", "sm_120", "sm_86", "cpu-x86_64-avx512+avx512_vnni", "cpu-aarch64-neon+sve256", "cpu-x86_64-avx2"]
+    "sm",
+    [
+        "sm_90",
+        "sm_100",
+        "sm_120",
+        "sm_86",
+        "cpu-x86_64-avx512+avx512_vnni",
+        "cpu-aarch64-neon+sve256",
+        "cpu-x86_64-avx2",
+    ],
 )
 def test_valid_sm(sm):
     assert is_sm(sm) and validate_sm(sm) == sm
@@ -371,7 +380,15 @@ def test_cpu_sm_builds_the_canonical_spelling():
 
 @pytest.mark.parametrize(
     "graph",
-    ["blake3:" + "0" * 63, "blake3:" + "A" * 64, "sha256:" + "0" * 64, "0" * 64, "blake3:" + "0" * 65, None, b"blake3:"],
+    [
+        "blake3:" + "0" * 63,
+        "blake3:" + "A" * 64,
+        "sha256:" + "0" * 64,
+        "0" * 64,
+        "blake3:" + "0" * 65,
+        None,
+        b"blake3:",
+    ],
 )
 def test_ck1_refuses_a_malformed_graph_digest(graph):
     assert not is_digest(graph)
@@ -639,4 +656,6 @@ def test_every_declared_point_is_admitted(fields):
     text_len = envelope.text_len or None
     for width, height in fields["shapes"]:
         for batch_size in fields["batch_sizes"]:
-            assert envelope.admits(width=width, height=height, text_len=text_len, guidance=guidance, batch_size=batch_size)
+            assert envelope.admits(
+                width=width, height=height, text_len=text_len, guidance=guidance, batch_size=batch_size
+            )

@@ -169,7 +169,9 @@ def test_nothing_fits_picks_the_smallest_peak():
 
 
 def test_verdict_metadata_carries_no_timings():
-    verdict = choose_lane({"baseline+dense": (0.228, int(22.8 * GB)), "fused+dense": (0.35, int(22.8 * GB))}, B200_TOTAL)
+    verdict = choose_lane(
+        {"baseline+dense": (0.228, int(22.8 * GB)), "fused+dense": (0.35, int(22.8 * GB))}, B200_TOTAL
+    )
     block = verdict.to_metadata()
     written = build_metadata(sm="sm_100", kernel_lane=block).to_json_bytes()
     assert b"0.228" not in written and b"0.35" not in written and b"step" not in written
@@ -269,10 +271,13 @@ def _sm100_reference():
 @given(st.lists(noise, min_size=4, max_size=4), st.lists(peak_jitter, min_size=4, max_size=4))
 def test_metadata_bytes_are_stable_under_noise(noises, jitters):
     lanes = ["fused+dense", "fused+packed", "baseline+dense", "baseline+packed"]
-    base = {"fused+dense": (0.350, 85), "fused+packed": (0.350, 50), "baseline+dense": (0.228, 85), "baseline+packed": (0.228, 50)}
-    measurements = {
-        lane: (base[lane][0] * noises[i], base[lane][1] * Q - jitters[i]) for i, lane in enumerate(lanes)
+    base = {
+        "fused+dense": (0.350, 85),
+        "fused+packed": (0.350, 50),
+        "baseline+dense": (0.228, 85),
+        "baseline+packed": (0.228, 50),
     }
+    measurements = {lane: (base[lane][0] * noises[i], base[lane][1] * Q - jitters[i]) for i, lane in enumerate(lanes)}
     verdict = choose_lane(measurements, B200_TOTAL)
     reference = _sm100_reference()
     assert verdict == reference  # winner, binding, candidates, peaks, order (evidence excluded)
@@ -421,7 +426,9 @@ def test_resolution_projects_each_axis():
 
 json_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=12)),
-    lambda children: st.one_of(st.lists(children, max_size=4), st.dictionaries(st.text(max_size=12), children, max_size=4)),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
     max_leaves=25,
 )
 

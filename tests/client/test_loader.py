@@ -42,8 +42,9 @@ def test_a_cached_blob_loads_without_a_torch_warning(pt2_archive, tmp_path, capf
     blob.write_bytes(pt2_archive.read_bytes())
     (tmp_path / "consts.safetensors").write_bytes(Path(derived_constants_path(pt2_archive)).read_bytes())
     eager = tiny_model(seed=4)
-    target = Loaded(key="ck1-" + "0" * 56, artifact_path=blob,
-                    component_paths={DERIVED_COMPONENT: tmp_path / "consts.safetensors"})
+    target = Loaded(
+        key="ck1-" + "0" * 56, artifact_path=blob, component_paths={DERIVED_COMPONENT: tmp_path / "consts.safetensors"}
+    )
     with caplog.at_level("WARNING"):
         compiled = load_compiled(target, eager.state_dict())
     inputs, offset = tiny_inputs(3)

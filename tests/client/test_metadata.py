@@ -567,7 +567,10 @@ def test_valid_metadata_survives_its_own_bytes(verdict, sm, in_so, fenced):
 def test_ties_are_canonical_and_refused_when_malformed() -> None:
     from cgstore_client.metadata import canonical_ties
 
-    assert canonical_ties([["wte.weight", "lm_head.weight"], ["b", "a"]]) == (("a", "b"), ("lm_head.weight", "wte.weight"))
+    assert canonical_ties([["wte.weight", "lm_head.weight"], ["b", "a"]]) == (
+        ("a", "b"),
+        ("lm_head.weight", "wte.weight"),
+    )
     for bad in ([["only"]], [["a", "a"]], [["a", "b"], ["b", "c"]], [[1, 2]], "ab"):
         with pytest.raises(MetadataError):
             canonical_ties(bad)

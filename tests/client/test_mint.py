@@ -72,7 +72,9 @@ def test_the_archive_holds_exactly_the_admissible_entries(pt2_archive: Path, pt2
     expected |= {f"{ARCHIVE_ROOT}/models/model.json", f"{ARCHIVE_ROOT}/extra/metadata.json"}
     expected |= {f"{ARCHIVE_ROOT}/{name}" for name in pt2_report.aoti_files}
     assert set(names) == expected and len(names) == len(expected)
-    assert not [name for name in names if "/data/weights" in name or "/data/constants" in name or "sample_inputs" in name]
+    assert not [
+        name for name in names if "/data/weights" in name or "/data/constants" in name or "sample_inputs" in name
+    ]
     assert metadata_bytes == pt2_report.metadata.to_json_bytes()
     node_metadata_keys = {key for node in program["graph_module"]["graph"]["nodes"] for key in node["metadata"]}
     assert node_metadata_keys <= {"custom"}

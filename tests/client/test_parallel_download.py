@@ -95,7 +95,9 @@ def test_every_connection_dropped_mid_body_resumes_each_part_where_it_stopped(cu
             proxy.cut()
             proxy.restore()
 
-    with Client(url, token, cache_dir=tmp_path, retry=FAST, download_connections=4, download_part_bytes=4 * P) as client:
+    with Client(
+        url, token, cache_dir=tmp_path, retry=FAST, download_connections=4, download_part_bytes=4 * P
+    ) as client:
         path = client.fetch_blob(repo, digest, len(data), progress=progress)
     assert path.read_bytes() == data
     assert sum(received) == len(data)  # no byte fetched twice: each part resumed from where it broke
@@ -185,7 +187,9 @@ class Origin:
         if start or end != len(data):
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
         with self.lock:
-            self.log.append((path, ranged, 206 if "Content-Range" in headers else 200, handler.headers.get("Authorization")))
+            self.log.append(
+                (path, ranged, 206 if "Content-Range" in headers else 200, handler.headers.get("Authorization"))
+            )
             cut = self.cut_at == start and ranged is not None
             if cut:
                 self.cut_at = None
@@ -247,8 +251,10 @@ def test_one_cut_part_is_retried_alone_from_where_it_stopped(blob, tmp_path):
     finally:
         origin.close()
     ranges = sorted(r for _, r, _, _ in origin.log)
-    expected = sorted([f"bytes={s}-{min(s + P, len(data)) - 1}" for s in range(0, len(data), P)]
-                      + [f"bytes={3 * P + P // 2}-{4 * P - 1}"])
+    expected = sorted(
+        [f"bytes={s}-{min(s + P, len(data)) - 1}" for s in range(0, len(data), P)]
+        + [f"bytes={3 * P + P // 2}-{4 * P - 1}"]
+    )
     assert ranges == expected  # every part once, and the second half of the cut one
 
 

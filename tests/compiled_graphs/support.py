@@ -34,7 +34,9 @@ def safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], metadata: dict[
         count = 1
         for dim in shape:
             count *= dim
-        body += struct.pack(f"<{count}f", *range(count)) if dtype == "F32" else bytes(count * SAFETENSORS_DTYPES[dtype][1])
+        body += (
+            struct.pack(f"<{count}f", *range(count)) if dtype == "F32" else bytes(count * SAFETENSORS_DTYPES[dtype][1])
+        )
     return header + body
 
 
@@ -98,18 +100,30 @@ def publication(
         "format": "pt2",
         "family": family,
         "lane": LANE,
-        "axes": {"graph": graph, "envelope": envelope, "sm": sm,
-                 "toolchain": {"components": toolchain, "recorded": RECORDED}},
+        "axes": {
+            "graph": graph,
+            "envelope": envelope,
+            "sm": sm,
+            "toolchain": {"components": toolchain, "recorded": RECORDED},
+        },
         "artifact": {"digest": artifact.digest, "size": artifact.size},
         "components": [{"name": n, "digest": b.digest, "size": b.size} for n, b in blobs.items()],
-        "layout": {"display": "tiny.diffusers@1+cozy.fp8-rowwise@1",
-                   "topology": digest_of(b"topology"), "quant": digest_of(b"quant")},
-        "evidence": {"kernel_lane_evidence": {"baseline+packed": {"step_s": "0.228"}},
-                     "mint_phases": {"compile_s": "19.4"}},
+        "layout": {
+            "display": "tiny.diffusers@1+cozy.fp8-rowwise@1",
+            "topology": digest_of(b"topology"),
+            "quant": digest_of(b"quant"),
+        },
+        "evidence": {
+            "kernel_lane_evidence": {"baseline+packed": {"step_s": "0.228"}},
+            "mint_phases": {"compile_s": "19.4"},
+        },
     }
     manifest.update(manifest_fields)
-    key = ck1(graph, Envelope.from_dict(envelope), sm, Toolchain({**toolchain, **RECORDED})) \
-        if "text_len" in envelope else "ck1-" + "0" * 56
+    key = (
+        ck1(graph, Envelope.from_dict(envelope), sm, Toolchain({**toolchain, **RECORDED}))
+        if "text_len" in envelope
+        else "ck1-" + "0" * 56
+    )
     return Publication(key, manifest, artifact, blobs)
 
 
@@ -124,7 +138,9 @@ def upload_all(client: httpx.Client, owner: str, repo: str, pub: Publication) ->
         upload(client, owner, repo, blob)
 
 
-def publish(client: httpx.Client, owner: str, repo: str, pub: Publication, *, send_blobs: bool = True) -> httpx.Response:
+def publish(
+    client: httpx.Client, owner: str, repo: str, pub: Publication, *, send_blobs: bool = True
+) -> httpx.Response:
     if send_blobs:
         upload_all(client, owner, repo, pub)
     return client.put(pub.path(owner, repo), json=pub.manifest)
@@ -164,9 +180,7 @@ def make_repos(
         return [repo.id for repo in repos]
 
 
-def clone_record(
-    store, source_key: str, *, repo_id: int, publisher: str | None = None, key: str | None = None
-) -> str:
+def clone_record(store, source_key: str, *, repo_id: int, publisher: str | None = None, key: str | None = None) -> str:
     """A live copy of the live record of ``source_key`` (with its components) in ``repo_id``; its key.
 
     What a tenant gets by publishing the same bytes again elsewhere, without
@@ -184,10 +198,14 @@ def clone_records(store, source_key: str, copies: list[tuple[int, str | None, st
 
     keys = []
     with store.context.db.session() as session:
-        source = session.scalars(select(CompiledGraph).where(
-            CompiledGraph.key == source_key, CompiledGraph.yanked_at.is_(None)).order_by(CompiledGraph.id)).first()
-        components = session.scalars(select(CompiledGraphComponent).where(
-            CompiledGraphComponent.record_id == source.id)).all()
+        source = session.scalars(
+            select(CompiledGraph)
+            .where(CompiledGraph.key == source_key, CompiledGraph.yanked_at.is_(None))
+            .order_by(CompiledGraph.id)
+        ).first()
+        components = session.scalars(
+            select(CompiledGraphComponent).where(CompiledGraphComponent.record_id == source.id)
+        ).all()
         columns = {c.key: getattr(source, c.key) for c in CompiledGraph.__table__.columns if c.key != "id"}
         for repo_id, publisher, key in copies:
             values = dict(columns, repo_id=repo_id, key=key or random_key(), drift_reports=0)
@@ -196,7 +214,8 @@ def clone_records(store, source_key: str, copies: list[tuple[int, str | None, st
             copy = CompiledGraph(**values)
             session.add(copy)
             session.flush()
-            session.add_all(CompiledGraphComponent(record_id=copy.id, name=c.name, digest=c.digest, size=c.size)
-                            for c in components)
+            session.add_all(
+                CompiledGraphComponent(record_id=copy.id, name=c.name, digest=c.digest, size=c.size) for c in components
+            )
             keys.append(values["key"])
     return keys

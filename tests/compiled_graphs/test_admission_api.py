@@ -150,7 +150,9 @@ def test_an_archive_carrying_weights_is_refused_naming_the_entry(store, tenant, 
 
 def test_an_archive_carrying_pickled_sample_inputs_is_refused(store, tenant, pt2_archive, report_a, scratch):
     name, token = tenant
-    pickled = rewrite(pt2_archive, scratch / "pickled.pt2", add=[("archive/data/sample_inputs/model.pt", b"\x80\x04N.")])
+    pickled = rewrite(
+        pt2_archive, scratch / "pickled.pt2", add=[("archive/data/sample_inputs/model.pt", b"\x80\x04N.")]
+    )
     error = refused(store, token, name, publication(pickled, report_a), status=422, code="ARTIFACT_INVALID")
     assert "sample_inputs" in error["message"]
 
@@ -213,41 +215,75 @@ def test_constants_in_neither_checkpoint_nor_component_are_refused_by_name(store
     error = refused(store, token, name, publication(pt2_archive, report_a), status=422, code="ARTIFACT_INVALID")
     assert error["detail"]["constants"] == ["table", "lifted_tensor_0"]
     half = safetensors_bytes({"table": ("F32", [3])})
-    error = refused(store, token, name, publication(pt2_archive, report_a, components={"half": half}),
-                    status=422, code="ARTIFACT_INVALID")
+    error = refused(
+        store,
+        token,
+        name,
+        publication(pt2_archive, report_a, components={"half": half}),
+        status=422,
+        code="ARTIFACT_INVALID",
+    )
     assert error["detail"]["constants"] == ["lifted_tensor_0"]
 
 
 def test_a_component_whose_tensor_has_the_wrong_shape(store, tenant, pt2_archive, report_a):
     name, token = tenant
     wrong = safetensors_bytes({"table": ("F32", [4]), "lifted_tensor_0": ("F32", [4])})
-    error = refused(store, token, name, publication(pt2_archive, report_a, components={"consts": wrong}),
-                    status=422, code="CONTRACT_MISMATCH")
+    error = refused(
+        store,
+        token,
+        name,
+        publication(pt2_archive, report_a, components={"consts": wrong}),
+        status=422,
+        code="CONTRACT_MISMATCH",
+    )
     assert error["detail"]["tensor"] == "table" and error["detail"]["declared"] == {"dtype": "float32", "shape": [3]}
 
 
 def test_a_component_tensor_that_is_no_constant_or_has_another_dtype(store, tenant, pt2_archive, report_a):
     name, token = tenant
     stranger = safetensors_bytes({"table": ("F32", [3]), "lifted_tensor_0": ("F32", [4]), "pos_table": ("F32", [2])})
-    error = refused(store, token, name, publication(pt2_archive, report_a, components={"consts": stranger}),
-                    status=422, code="CONTRACT_MISMATCH")
+    error = refused(
+        store,
+        token,
+        name,
+        publication(pt2_archive, report_a, components={"consts": stranger}),
+        status=422,
+        code="CONTRACT_MISMATCH",
+    )
     assert error["detail"]["tensor"] == "pos_table"
     halved = safetensors_bytes({"table": ("F16", [3]), "lifted_tensor_0": ("F32", [4])})
-    error = refused(store, token, name, publication(pt2_archive, report_a, components={"consts": halved}),
-                    status=422, code="CONTRACT_MISMATCH")
+    error = refused(
+        store,
+        token,
+        name,
+        publication(pt2_archive, report_a, components={"consts": halved}),
+        status=422,
+        code="CONTRACT_MISMATCH",
+    )
     assert error["detail"]["tensor"] == "table"
 
 
-@pytest.mark.parametrize("component", [
-    b"\xff" * 8 + b"{}",                                     # header length past the blob
-    (12).to_bytes(8, "little") + b'{"a": [1, 2]}'[:12],    # header not a tensor table
-    (2).to_bytes(8, "little") + b"{}" + b"trailing bytes",  # data no tensor covers
-    b"\x80\x04\x95" + b"pickle!" * 4,                        # a pickle, never unpickled
-], ids=["length-past-end", "not-a-table", "uncovered-bytes", "pickle"])
+@pytest.mark.parametrize(
+    "component",
+    [
+        b"\xff" * 8 + b"{}",  # header length past the blob
+        (12).to_bytes(8, "little") + b'{"a": [1, 2]}'[:12],  # header not a tensor table
+        (2).to_bytes(8, "little") + b"{}" + b"trailing bytes",  # data no tensor covers
+        b"\x80\x04\x95" + b"pickle!" * 4,  # a pickle, never unpickled
+    ],
+    ids=["length-past-end", "not-a-table", "uncovered-bytes", "pickle"],
+)
 def test_a_component_that_is_not_safetensors(store, tenant, pt2_archive, report_a, component):
     name, token = tenant
-    error = refused(store, token, name, publication(pt2_archive, report_a, components={"consts": component}),
-                    status=422, code="ARTIFACT_INVALID")
+    error = refused(
+        store,
+        token,
+        name,
+        publication(pt2_archive, report_a, components={"consts": component}),
+        status=422,
+        code="ARTIFACT_INVALID",
+    )
     assert error["detail"]["component"] == "consts"
 
 
@@ -274,12 +310,16 @@ def test_a_malformed_manifest_is_400_never_500(store, tenant):
 @pytest.mark.parametrize(
     ("envelope", "axis", "said"),
     [
-        ({"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1, 65]}, "batch_sizes",
-         "envelope batch_sizes declares 65, which the graph cannot take: input inputs_x dim 0 is s0 in [1, 64]"),
+        (
+            {"shapes": [[64, 64]], "text_len": 0, "batch_sizes": [1, 65]},
+            "batch_sizes",
+            "envelope batch_sizes declares 65, which the graph cannot take: input inputs_x dim 0 is s0 in [1, 64]",
+        ),
     ],
 )
-def test_an_envelope_beyond_the_contract_is_refused_naming_the_axis(store, tenant, pt2_archive, constants_a,
-                                                                    envelope, axis, said):
+def test_an_envelope_beyond_the_contract_is_refused_naming_the_axis(
+    store, tenant, pt2_archive, constants_a, envelope, axis, said
+):
     from tests.support.archives import archive_report
 
     name, token = tenant
@@ -304,8 +344,9 @@ def test_token_ids_fix_batch_and_text_len(store, tenant, pt2_archive_tied):
     cases = [({**base, "batch_sizes": [1, 2]}, "batch_sizes"), ({**base, "text_len": 5}, "text_len"), (base, None)]
     with store.client(token) as client:
         for envelope, axis in cases:
-            answer = publish(client, "acme", name, publication(pt2_archive_tied, report, components=consts,
-                                                               envelope=envelope))
+            answer = publish(
+                client, "acme", name, publication(pt2_archive_tied, report, components=consts, envelope=envelope)
+            )
             if axis is None:
                 assert answer.status_code == 201, answer.text
             else:

@@ -50,8 +50,9 @@ def test_the_readme_walkthrough_publishes_resolves_and_yanks(served, pt2_archive
     script = script.replace("curl -sS ", "curl -sS -w '\\n%{http_code}\\n' ")
     (workdir / ".venv").symlink_to(REPO_ROOT / ".venv")
     (workdir / "tests").symlink_to(REPO_ROOT / "tests")
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workdir, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=workdir, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     codes = [line for line in lines if re.fullmatch(r"\d{3}", line)]

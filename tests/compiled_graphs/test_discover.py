@@ -38,8 +38,12 @@ CODE = "cf1:" + "c" * 64
 def declaration(pub, **overrides) -> dict:
     """What a booting worker sends for ``pub``: its manifest's axes without the graph."""
     axes = pub.manifest["axes"]
-    body = {"family": pub.manifest["family"], "envelope": axes["envelope"], "sm": axes["sm"],
-            "toolchain": axes["toolchain"]}
+    body = {
+        "family": pub.manifest["family"],
+        "envelope": axes["envelope"],
+        "sm": axes["sm"],
+        "toolchain": axes["toolchain"],
+    }
     body.update(overrides)
     return body
 
@@ -60,8 +64,14 @@ def published(store, pt2_archive, report_a, constants_a):
     """Archive A published with a release and a code fingerprint in ``acme/<name>``, under a fresh envelope."""
     name = unique_repo()
     token = store.mint("minter", f"acme/{name}:read,write")
-    pub = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(),
-                      release="endpoint-7", code=CODE)
+    pub = publication(
+        pt2_archive,
+        report_a,
+        components={"consts": constants_a},
+        envelope=unique_envelope(),
+        release="endpoint-7",
+        code=CODE,
+    )
     with store.client(token) as client:
         assert publish(client, "acme", name, pub).status_code == 201
     return name, token, pub
@@ -93,8 +103,12 @@ def test_the_envelope_is_canonicalized_as_publish_does(store, published):
 def test_filters_release_binding_signature_and_code(store, published, report_a):
     _, token, pub = published
     signature = signature_from_table(report_a.binding_table, report_a.metadata.ties)
-    matching = [{"release": "endpoint-7"}, {"binding_signature": signature}, {"code": CODE},
-                {"release": "endpoint-7", "binding_signature": signature, "code": CODE}]
+    matching = [
+        {"release": "endpoint-7"},
+        {"binding_signature": signature},
+        {"code": CODE},
+        {"release": "endpoint-7", "binding_signature": signature, "code": CODE},
+    ]
     other = [{"release": "endpoint-8"}, {"binding_signature": "bs1:" + "0" * 64}, {"code": "cf1:" + "0" * 64}]
     with store.client(token) as client:
         for narrowed in matching:
@@ -180,16 +194,27 @@ def test_newest_first_one_per_key_and_limited(store, pt2_archive, report_a, cons
     envelope = {**unique_envelope(), "batch_sizes": [2], "text_len": 4}
     older = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=envelope)
     tied_report = archive_report(pt2_archive_tied)
-    newer = publication(pt2_archive_tied, tied_report, envelope=envelope, sm=report_a.sm,
-                        components={"consts": Path(derived_constants_path(pt2_archive_tied)).read_bytes()})
+    newer = publication(
+        pt2_archive_tied,
+        tied_report,
+        envelope=envelope,
+        sm=report_a.sm,
+        components={"consts": Path(derived_constants_path(pt2_archive_tied)).read_bytes()},
+    )
     assert newer.key != older.key
     with store.client(token) as client:
         for repo, pub in ((name, older), (name, newer), (f"{name}-2", older)):
             assert publish(client, "acme", repo, pub).status_code == 201
         found = candidates(discover(client, declaration(older)))
         limited = candidates(discover(client, declaration(older, limit=1)))
-        by_signature = candidates(discover(client, declaration(older, binding_signature=signature_from_table(
-            tied_report.binding_table, tied_report.metadata.ties))))
+        by_signature = candidates(
+            discover(
+                client,
+                declaration(
+                    older, binding_signature=signature_from_table(tied_report.binding_table, tied_report.metadata.ties)
+                ),
+            )
+        )
     assert [(c.key, c.repo) for c in found] == [(newer.key, f"acme/{name}"), (older.key, f"acme/{name}")]
     assert [c.key for c in limited] == [newer.key]
     assert [c.key for c in by_signature] == [newer.key]
@@ -251,8 +276,9 @@ def test_publish_refuses_a_bad_release_or_code(store, pt2_archive, report_a, con
     token = store.mint("minter", f"acme/{name}:read,write")
     with store.client(token) as client:
         for fields, code in (({"release": "Bad Release"}, "NAME_INVALID"), ({"code": "cf2:x"}, "METADATA_INVALID")):
-            pub = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(),
-                              **fields)
+            pub = publication(
+                pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(), **fields
+            )
             assert error_code(publish(client, "acme", name, pub)) == code
 
 
@@ -260,9 +286,11 @@ def test_listing_filters_by_release(store, published):
     name, token, pub = published
     with store.client(token) as client:
         mine = RecordPage.model_validate_json(
-            client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"release": "endpoint-7"}).content)
+            client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"release": "endpoint-7"}).content
+        )
         other = RecordPage.model_validate_json(
-            client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"release": "endpoint-8"}).content)
+            client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"release": "endpoint-8"}).content
+        )
     assert [r.key for r in mine.records] == [pub.key] and other.records == []
 
 
@@ -270,8 +298,9 @@ def test_listing_filters_by_release(store, published):
 
 
 def report(client, pub, owner: str, name: str, reason: str = "confirmation measured another graph"):
-    return client.post(f"{pub.path(owner, name)}:report",
-                       json={"measured_graph": "blake3:" + "e" * 64, "reason": reason})
+    return client.post(
+        f"{pub.path(owner, name)}:report", json={"measured_graph": "blake3:" + "e" * 64, "reason": reason}
+    )
 
 
 def test_a_report_counts_audits_and_never_yanks(store, published):
@@ -286,8 +315,11 @@ def test_a_report_counts_audits_and_never_yanks(store, published):
         assert record.drift_reports == 2 and record.yank is None
         assert [c.key for c in candidates(discover(client, declaration(pub)))] == [pub.key]
     with store.context.db.session() as session:
-        entries = session.scalars(select(AuditEvent).where(
-            AuditEvent.target == f"acme/{name}:{pub.key}", AuditEvent.action == "compiled_graph.report")).all()
+        entries = session.scalars(
+            select(AuditEvent).where(
+                AuditEvent.target == f"acme/{name}:{pub.key}", AuditEvent.action == "compiled_graph.report"
+            )
+        ).all()
     assert len(entries) == 2 and entries[0].actor == "worker-1"
     assert entries[0].detail["measured_graph"] == "blake3:" + "e" * 64
     assert entries[0].detail["graph"] == pub.manifest["axes"]["graph"]
@@ -332,8 +364,9 @@ def test_reports_are_rate_limited_per_record(store, published):
     assert 1 <= int(limited.headers["Retry-After"]) <= 60
     with store.client(other) as client:  # per record: another principal is refused too, and nothing is counted
         assert report(client, pub, "acme", name).status_code == 429
-        assert Record.model_validate_json(client.get(pub.path("acme", name)).content).drift_reports == \
-            REPORTS_PER_RECORD
+        assert (
+            Record.model_validate_json(client.get(pub.path("acme", name)).content).drift_reports == REPORTS_PER_RECORD
+        )
 
 
 def test_drift_reports_show_in_admin_stats(store, published):
@@ -360,12 +393,25 @@ def test_the_client_publishes_release_and_code_and_a_module_signature_finds_it(s
     envelope = unique_envelope()
     model, sm = tiny_model(), inspect(pt2_archive).sm
     with Client(store.base_url, token, cache_dir=tmp_path / "cache") as client:
-        published = client.publish(f"acme/{name}", pt2_archive, family=FAMILY, envelope=envelope,
-                                   toolchain={**TOOLCHAIN, **RECORDED}, sm=sm, release="endpoint-9",
-                                   code=code_fingerprint(model))
-    body = {"family": FAMILY, "envelope": envelope, "sm": sm,
-            "toolchain": {"components": TOOLCHAIN, "recorded": RECORDED}, "release": "endpoint-9",
-            "binding_signature": signature_from_module(model), "code": code_fingerprint(model)}
+        published = client.publish(
+            f"acme/{name}",
+            pt2_archive,
+            family=FAMILY,
+            envelope=envelope,
+            toolchain={**TOOLCHAIN, **RECORDED},
+            sm=sm,
+            release="endpoint-9",
+            code=code_fingerprint(model),
+        )
+    body = {
+        "family": FAMILY,
+        "envelope": envelope,
+        "sm": sm,
+        "toolchain": {"components": TOOLCHAIN, "recorded": RECORDED},
+        "release": "endpoint-9",
+        "binding_signature": signature_from_module(model),
+        "code": code_fingerprint(model),
+    }
     with store.client(token) as client:
         assert [c.key for c in candidates(discover(client, body))] == [published.key]
 
@@ -394,27 +440,40 @@ def test_a_search_reads_only_the_callers_best_rows(store, published, request):
     visible["cache-own"] = clone(repo_id=cache_id, publisher=reader)
     visible["held-2"] = clone(repo_id=held_id)
     clone(repo_id=held_id, key=visible["root-1"])  # the same key held twice: root's record is the best
-    expected = [visible["root-2"], visible["root-1"], visible["held-2"], visible["held-1"], visible["cache-own"],
-                pub.key]
+    expected = [
+        visible["root-2"],
+        visible["root-1"],
+        visible["held-2"],
+        visible["held-1"],
+        visible["cache-own"],
+        pub.key,
+    ]
 
     def hide_some() -> list[str]:
         """Records the reader cannot read or does not search, of the same declaration (and some keys)."""
         other_id = make_repo(store, other, unique_repo(), holder=f"{other}-tenant")
         neighbour = f"{reader}-{uuid.uuid4().hex[:8]}"
-        return [clone(repo_id=cache_id, publisher=neighbour), clone(repo_id=other_id),
-                clone(repo_id=named_id), clone(repo_id=other_id, key=visible["held-2"]),
-                clone(repo_id=cache_id, publisher=neighbour, key=visible["cache-own"])]
+        return [
+            clone(repo_id=cache_id, publisher=neighbour),
+            clone(repo_id=other_id),
+            clone(repo_id=named_id),
+            clone(repo_id=other_id, key=visible["held-2"]),
+            clone(repo_id=cache_id, publisher=neighbour, key=visible["cache-own"]),
+        ]
 
     keys = [*visible.values(), pub.key, "ck1-" + "0" * 56]
     with store.client(token) as client:
-        answers = [(discover(client, declaration(pub, limit=limit)).content, limit)
-                   for limit in (MAX_DISCOVER_LIMIT, 3)]
+        answers = [
+            (discover(client, declaration(pub, limit=limit)).content, limit) for limit in (MAX_DISCOVER_LIMIT, 3)
+        ]
         resolved = client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": keys}).content
         hidden = [key for key in hide_some() + hide_some() if key not in keys]  # new keys: misses for the reader
         with captured(store, "compiled_graphs.discovery_digest") as statements:
             again = [(discover(client, declaration(pub, limit=limit)).content, limit) for _, limit in answers]
-        assert client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": keys + hidden}).content == \
-            resolved[:-2] + b"," + b",".join(b'{"key":"%s","status":"miss"}' % k.encode() for k in hidden) + b"]}"
+        assert (
+            client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": keys + hidden}).content
+            == resolved[:-2] + b"," + b",".join(b'{"key":"%s","status":"miss"}' % k.encode() for k in hidden) + b"]}"
+        )
     assert again == answers
     for content, limit in answers:
         assert [c.key for c in DiscoverAnswer.model_validate_json(content).candidates] == expected[:limit]
@@ -433,8 +492,9 @@ def test_an_explanation_counts_only_what_the_caller_may_read(store, pt2_archive,
 
     name, family = unique_repo(), f"crowded-{uuid.uuid4().hex[:8]}"
     token = store.mint("minter", f"acme/{name}:read,write")
-    pub = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(),
-                      family=family)
+    pub = publication(
+        pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(), family=family
+    )
     with store.client(token) as client:
         assert publish(client, "acme", name, pub).status_code == 201
         asked = {**declaration(pub, release="endpoint-8"), "explain": True}
@@ -451,8 +511,11 @@ def test_an_explanation_counts_only_what_the_caller_may_read(store, pt2_archive,
 def _retire(store, repo_id: int) -> None:
     """Yank every live record of a repo (straight in the database)."""
     with store.context.db.session() as session:
-        session.execute(update(CompiledGraph).where(CompiledGraph.repo_id == repo_id, CompiledGraph.yanked_at.is_(None))
-                        .values(yanked_at=utcnow(), yanked_by="test", yank_reason="test over"))
+        session.execute(
+            update(CompiledGraph)
+            .where(CompiledGraph.repo_id == repo_id, CompiledGraph.yanked_at.is_(None))
+            .values(yanked_at=utcnow(), yanked_by="test", yank_reason="test over")
+        )
 
 
 @contextlib.contextmanager

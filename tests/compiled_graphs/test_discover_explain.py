@@ -31,8 +31,15 @@ def family_record(store, pt2_archive, report_a, constants_a):
     """One record of a family no other test uses, with a release and a code fingerprint."""
     name, family = unique_repo(), f"gpt2-{uuid.uuid4().hex[:8]}"
     token = store.mint("minter", f"acme/{name}:read,write")
-    pub = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(),
-                      family=family, release="endpoint-7", code=CODE)
+    pub = publication(
+        pt2_archive,
+        report_a,
+        components={"consts": constants_a},
+        envelope=unique_envelope(),
+        family=family,
+        release="endpoint-7",
+        code=CODE,
+    )
     with store.client(token) as client:
         assert publish(client, "acme", name, pub).status_code == 201
     return name, token, pub
@@ -54,7 +61,8 @@ def test_five_causes_of_a_miss_give_five_reasons(store, family_record):
     where = f"1 record of {family} in acme/{name}; nearest differs in"
     assert answers["family typo"].records == 0 and answers["family typo"].similar_families == [family]
     assert answers["family typo"].detail == (
-        f"no record of family {family.replace('gpt2', 'gtp2')!r} this token may read (did you mean {family}?)")
+        f"no record of family {family.replace('gpt2', 'gtp2')!r} this token may read (did you mean {family}?)"
+    )
     assert answers["batch_sizes"].detail == f"{where} envelope batch_sizes: [1, 2] here, [1] recorded"
     assert answers["release"].detail == f"{where} release: endpoint-8 here, endpoint-7 recorded"
     assert answers["torch"].detail == f"{where} toolchain torch: 2.12.0 here, 2.13.0 recorded"
@@ -63,7 +71,8 @@ def test_five_causes_of_a_miss_give_five_reasons(store, family_record):
     nearest = answers["torch"].nearest
     assert (nearest.key, nearest.repo) == (pub.key, f"acme/{name}")
     assert [(d.axis, d.name, d.here, d.recorded) for d in nearest.differences] == [
-        ("toolchain", "torch", "2.12.0", "2.13.0")]
+        ("toolchain", "torch", "2.12.0", "2.13.0")
+    ]
 
 
 def test_sm_library_signature_and_code_are_named_too(store, family_record):
@@ -71,8 +80,9 @@ def test_sm_library_signature_and_code_are_named_too(store, family_record):
     sm = "sm_90" if pub.manifest["axes"]["sm"] != "sm_90" else "sm_80"
     with store.client(token) as client:
         by_sm = explained(client, declaration(pub, sm=sm)).miss
-        by_library = explained(client, declaration(pub, toolchain={"components": TOOLCHAIN,
-                                                                   "recorded": {"diffusers": "0.36.0"}})).miss
+        by_library = explained(
+            client, declaration(pub, toolchain={"components": TOOLCHAIN, "recorded": {"diffusers": "0.36.0"}})
+        ).miss
         by_tensors = explained(client, declaration(pub, binding_signature="bs1:" + "0" * 64)).miss
         by_code = explained(client, declaration(pub, code="cf1:" + "0" * 64)).miss
     assert by_sm.detail.endswith(f"nearest differs in sm: {sm} here, {pub.manifest['axes']['sm']} recorded")
@@ -85,18 +95,32 @@ def test_the_nearest_is_the_record_with_fewest_differences(store, pt2_archive, r
     name, family = unique_repo(), f"near-{uuid.uuid4().hex[:8]}"
     token = store.mint("minter", f"acme/{name}:read,write")
     envelope = unique_envelope()
-    close = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=envelope, family=family,
-                        toolchain={**TOOLCHAIN, "triton": "3.4.0"})
-    far = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(),
-                      family=family, toolchain={**TOOLCHAIN, "torch": "2.12.0"})
+    close = publication(
+        pt2_archive,
+        report_a,
+        components={"consts": constants_a},
+        envelope=envelope,
+        family=family,
+        toolchain={**TOOLCHAIN, "triton": "3.4.0"},
+    )
+    far = publication(
+        pt2_archive,
+        report_a,
+        components={"consts": constants_a},
+        envelope=unique_envelope(),
+        family=family,
+        toolchain={**TOOLCHAIN, "torch": "2.12.0"},
+    )
     with store.client(token) as client:
         for pub in (close, far):  # the far one newest: nearness, not age, picks
             assert publish(client, "acme", name, pub).status_code == 201
-        miss = explained(client, declaration(close, toolchain={"components": {**TOOLCHAIN, "triton": "3.5.0"},
-                                                               "recorded": RECORDED})).miss
+        miss = explained(
+            client, declaration(close, toolchain={"components": {**TOOLCHAIN, "triton": "3.5.0"}, "recorded": RECORDED})
+        ).miss
     assert miss.records == 2 and miss.nearest.key == close.key
-    assert miss.detail == (f"2 records of {family} in acme/{name}; "
-                           "nearest differs in toolchain triton: 3.5.0 here, 3.4.0 recorded")
+    assert miss.detail == (
+        f"2 records of {family} in acme/{name}; nearest differs in toolchain triton: 3.5.0 here, 3.4.0 recorded"
+    )
 
 
 def test_an_explanation_counts_only_what_the_caller_may_read(store, pt2_archive, report_a, constants_a):
@@ -108,8 +132,9 @@ def test_an_explanation_counts_only_what_the_caller_may_read(store, pt2_archive,
     outsider = store.mint("mallory", "evil/*:read,write")
     with store.client(manager) as client:
         assert client.put(f"/v1/repos/acme/{name}", json={"visibility": "principal"}).status_code == 201
-    pub = publication(pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(),
-                      family=family)
+    pub = publication(
+        pt2_archive, report_a, components={"consts": constants_a}, envelope=unique_envelope(), family=family
+    )
     with store.client(writer) as client:
         assert publish(client, "acme", name, pub).status_code == 201
         own = explained(client, declaration(pub, release="other")).miss

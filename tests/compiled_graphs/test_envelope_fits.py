@@ -9,13 +9,21 @@ from cgstore.core.errors import EnvelopeInvalid
 from cgstore_client.keys import Envelope
 
 GPT2 = {"inputs": [{"name": "input_ids", "dtype": "int64", "shape": [1, 8]}], "dims": {}}
-TEXT_ENCODER = {"inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["s0", "s1"]},
-                           {"name": "attention_mask", "dtype": "int64", "shape": ["s0", "s1"]}],
-                "dims": {"s0": {"min": 1, "max": 8}, "s1": {"min": 2, "max": 512}}}
-UNET = {"inputs": [{"name": "sample", "dtype": "bfloat16", "shape": ["s0", 4, "s1", "s1"]},
-                   {"name": "timestep", "dtype": "float32", "shape": [1]},
-                   {"name": "text", "dtype": "bfloat16", "shape": ["s0", 77, 768]}],
-        "dims": {"s0": {"min": 1, "max": 4}, "s1": {"min": 64, "max": 128}}}
+TEXT_ENCODER = {
+    "inputs": [
+        {"name": "input_ids", "dtype": "int64", "shape": ["s0", "s1"]},
+        {"name": "attention_mask", "dtype": "int64", "shape": ["s0", "s1"]},
+    ],
+    "dims": {"s0": {"min": 1, "max": 8}, "s1": {"min": 2, "max": 512}},
+}
+UNET = {
+    "inputs": [
+        {"name": "sample", "dtype": "bfloat16", "shape": ["s0", 4, "s1", "s1"]},
+        {"name": "timestep", "dtype": "float32", "shape": [1]},
+        {"name": "text", "dtype": "bfloat16", "shape": ["s0", 77, 768]},
+    ],
+    "dims": {"s0": {"min": 1, "max": 4}, "s1": {"min": 64, "max": 128}},
+}
 
 
 def envelope(**fields) -> Envelope:

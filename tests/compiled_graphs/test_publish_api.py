@@ -35,9 +35,10 @@ def live_rows(store, repo: str, key: str) -> int:
     """Live records of ``key`` in ``acme/<repo>``, counted in the database."""
     with store.context.db.session() as session:
         return session.scalar(
-            select(func.count()).select_from(CompiledGraph).join(Repo, Repo.id == CompiledGraph.repo_id)
-            .where(Repo.owner == "acme", Repo.name == repo, CompiledGraph.key == key,
-                   CompiledGraph.yanked_at.is_(None))
+            select(func.count())
+            .select_from(CompiledGraph)
+            .join(Repo, Repo.id == CompiledGraph.repo_id)
+            .where(Repo.owner == "acme", Repo.name == repo, CompiledGraph.key == key, CompiledGraph.yanked_at.is_(None))
         )
 
 
@@ -64,8 +65,11 @@ def test_publish_creates_the_record_and_get_returns_manifest_and_derived_facts(
     assert record.manifest.layout.display == "tiny.diffusers@1+cozy.fp8-rowwise@1"
     sources = {row.fqn: row.source for row in record.binding_table}
     assert sources == {
-        "lin.weight": "checkpoint", "lin.bias": "checkpoint", "scale": "checkpoint",
-        "table": "component:consts", "lifted_tensor_0": "component:consts",
+        "lin.weight": "checkpoint",
+        "lin.bias": "checkpoint",
+        "scale": "checkpoint",
+        "table": "component:consts",
+        "lifted_tensor_0": "component:consts",
     }
     assert [c.name for c in record.manifest.components] == ["consts"]
 
@@ -75,8 +79,9 @@ def test_republishing_the_same_bytes_is_200_and_a_second_mint_is_byte_identical(
 ):
     name, token = tenant
     first = publication(pt2_archive, report_a, components={"consts": constants_a})
-    again = publication(pt2_archive_second_mint, archive_report(pt2_archive_second_mint),
-                        components={"consts": constants_a})
+    again = publication(
+        pt2_archive_second_mint, archive_report(pt2_archive_second_mint), components={"consts": constants_a}
+    )
     assert again.key == first.key and again.artifact.digest == first.artifact.digest
     with store.client(token) as client:
         assert publish(client, "acme", name, first).status_code == 201
@@ -124,8 +129,9 @@ def test_same_artifact_with_another_component_set_is_a_conflict(store, tenant, p
 def test_one_component_shared_by_many_records_is_stored_once(store, tenant, pt2_archive, report_a, constants_a):
     name, token = tenant
     first = publication(pt2_archive, report_a, components={"consts": constants_a})
-    second = publication(pt2_archive, report_a, components={"consts": constants_a},
-                         envelope={"shapes": [[512, 512]], "text_len": 0})
+    second = publication(
+        pt2_archive, report_a, components={"consts": constants_a}, envelope={"shapes": [[512, 512]], "text_len": 0}
+    )
     assert first.key != second.key
     with store.client(token) as client:
         assert publish(client, "acme", name, first).status_code == 201
@@ -159,15 +165,26 @@ def test_a_re_publish_signs_a_receipt_for_a_record_published_before_receipts(
         first = publish(client, "acme", name, pub)
         assert first.status_code == 201, first.text
         with store.context.db.session() as session:
-            session.execute(update(CompiledGraph).where(CompiledGraph.key == pub.key, CompiledGraph.repo_id.in_(
-                select(Repo.id).where(Repo.owner == "acme", Repo.name == name))).values(receipt=None))
+            session.execute(
+                update(CompiledGraph)
+                .where(
+                    CompiledGraph.key == pub.key,
+                    CompiledGraph.repo_id.in_(select(Repo.id).where(Repo.owner == "acme", Repo.name == name)),
+                )
+                .values(receipt=None)
+            )
         assert client.get(pub.path("acme", name)).json()["receipt"] is None
         again = client.put(pub.path("acme", name), json=pub.manifest)
         assert again.status_code == 200, again.text
         receipt = again.json()["receipt"]
         jwks = client.get("/v1/keys").json()
-        claims = verify_receipt(receipt, jwks, expect_key=pub.key, expect_artifact=pub.artifact.digest,
-                                expect_components={"consts": pub.components["consts"].digest},
-                                expect_repo=f"acme/{name}")
+        claims = verify_receipt(
+            receipt,
+            jwks,
+            expect_key=pub.key,
+            expect_artifact=pub.artifact.digest,
+            expect_components={"consts": pub.components["consts"].digest},
+            expect_repo=f"acme/{name}",
+        )
         assert claims["publisher"] == "minter"
         assert client.get(pub.path("acme", name)).json()["receipt"] == receipt  # kept

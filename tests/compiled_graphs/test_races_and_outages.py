@@ -37,9 +37,9 @@ def rows_for(live, repo: str, key: str) -> tuple[int, int]:
     """(live records, their components) for ``key`` in ``acme/<repo>``."""
     with live.context.db.session() as session:
         ids = session.scalars(
-            select(CompiledGraph.id).join(Repo, Repo.id == CompiledGraph.repo_id)
-            .where(Repo.owner == "acme", Repo.name == repo, CompiledGraph.key == key,
-                   CompiledGraph.yanked_at.is_(None))
+            select(CompiledGraph.id)
+            .join(Repo, Repo.id == CompiledGraph.repo_id)
+            .where(Repo.owner == "acme", Repo.name == repo, CompiledGraph.key == key, CompiledGraph.yanked_at.is_(None))
         ).all()
         components = session.scalar(
             select(func.count()).select_from(CompiledGraphComponent).where(CompiledGraphComponent.record_id.in_(ids))
@@ -112,8 +112,9 @@ def fresh_publication(tmp_path: Path, pt2_archive: Path):
     but not one bucket, and blobs are stored once by digest)."""
     tag = uuid.uuid4().hex
     variant = rewrite(pt2_archive, tmp_path / f"{tag}.pt2", add=[(f"archive/extra/{tag}.txt", tag.encode())])
-    return publication(variant, archive_report(variant),
-                       components={"consts": safetensors_bytes(CONSTANTS_A, {"tag": tag})})
+    return publication(
+        variant, archive_report(variant), components={"consts": safetensors_bytes(CONSTANTS_A, {"tag": tag})}
+    )
 
 
 def until_ready(client: httpx.Client, timeout_s: float = 30) -> None:
@@ -181,8 +182,9 @@ def test_cut_in_the_middle_of_a_publish_leaves_it_whole_or_absent(cut_store, pt2
         with live.client(token) as client:
             upload_all(client, "acme", name, pub)
             answer: dict[str, httpx.Response] = {}
-            put = threading.Thread(target=lambda: answer.setdefault(
-                "r", client.put(pub.path("acme", name), json=pub.manifest)))
+            put = threading.Thread(
+                target=lambda: answer.setdefault("r", client.put(pub.path("acme", name), json=pub.manifest))
+            )
             put.start()
             time.sleep(duration * step / CUTS)
             proxy.cut()

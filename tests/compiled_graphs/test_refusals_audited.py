@@ -18,7 +18,9 @@ def _mismatched(pt2_archive, report_a, constants_a):
 
 
 @pytest.mark.parametrize("configuration", CONFIGURATIONS)
-def test_refused_publishes_are_audited_and_repeats_counted(make_store, configuration, pt2_archive, report_a, constants_a):
+def test_refused_publishes_are_audited_and_repeats_counted(
+    make_store, configuration, pt2_archive, report_a, constants_a
+):
     # One audit interval for the whole test: a periodic flush in between would start a new
     # interval, and the next repeat would rightly get a row of its own again.
     store = make_store(configuration, audit_interval_s=3600)

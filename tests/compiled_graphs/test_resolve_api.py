@@ -25,8 +25,12 @@ def published(store, pt2_archive, report_a, constants_a):
     """Archive A published in a fresh tenant repo ``acme/<name>``; returns (name, token, publication)."""
     name = unique_repo()
     token = store.mint("minter", f"acme/{name}:read,write")
-    pub = publication(pt2_archive, report_a, components={"consts": constants_a},
-                      envelope={"shapes": [[64, 64]], "text_len": 77, "guidance": [unique_guidance()]})
+    pub = publication(
+        pt2_archive,
+        report_a,
+        components={"consts": constants_a},
+        envelope={"shapes": [[64, 64]], "text_len": 77, "guidance": [unique_guidance()]},
+    )
     with store.client(token) as client:
         assert publish(client, "acme", name, pub).status_code == 201
     return name, token, pub
@@ -104,8 +108,12 @@ def test_another_family_misses(store, published):
 def test_root_wins_over_a_tenant_repo_holding_the_same_key(store, pt2_archive, report_a, constants_a):
     tenant = unique_repo()
     platform_repo = unique_repo("family")
-    pub = publication(pt2_archive, report_a, components={"consts": constants_a},
-                      envelope={"shapes": [[32, 32]], "text_len": 1, "guidance": [unique_guidance()]})
+    pub = publication(
+        pt2_archive,
+        report_a,
+        components={"consts": constants_a},
+        envelope={"shapes": [[32, 32]], "text_len": 1, "guidance": [unique_guidance()]},
+    )
     tenant_token = store.mint("tenant", f"acme/{tenant}:read,write")
     platform_token = store.mint("ci", f"root/{platform_repo}:read,write", platform=True)
     with store.client(tenant_token) as client:
@@ -141,8 +149,12 @@ def test_principal_repo_shows_a_reader_only_their_own_records(store, pt2_archive
     with store.client(manager) as client:
         created = client.put(f"/v1/repos/acme/{name}", json={"visibility": "principal"})
         assert created.status_code == 201, created.text
-    pub = publication(pt2_archive, report_a, components={"consts": constants_a},
-                      envelope={"shapes": [[16, 16]], "text_len": 3, "guidance": [unique_guidance()]})
+    pub = publication(
+        pt2_archive,
+        report_a,
+        components={"consts": constants_a},
+        envelope={"shapes": [[16, 16]], "text_len": 3, "guidance": [unique_guidance()]},
+    )
     with store.client(writer) as client:
         assert publish(client, "acme", name, pub).status_code == 201
         assert resolve(client, [pub.key]).json()["answers"][0]["status"] == "hit"
@@ -254,8 +266,12 @@ def test_list_filters_and_paginates_by_keyset(store, pt2_archive, report_a, cons
     name = unique_repo()
     token = store.mint("minter", f"acme/{name}:read,write")
     pubs = [
-        publication(pt2_archive, report_a, components={"consts": constants_a},
-                    envelope={"shapes": [[8 * (i + 1), 8]], "text_len": 0})
+        publication(
+            pt2_archive,
+            report_a,
+            components={"consts": constants_a},
+            envelope={"shapes": [[8 * (i + 1), 8]], "text_len": 0},
+        )
         for i in range(5)
     ]
     with store.client(token) as client:
@@ -264,14 +280,18 @@ def test_list_filters_and_paginates_by_keyset(store, pt2_archive, report_a, cons
         seen, cursor = [], None
         while True:
             params = {"limit": 2, "family": FAMILY, "sm": report_a.sm, **({"cursor": cursor} if cursor else {})}
-            page = RecordPage.model_validate_json(client.get(f"/v1/repos/acme/{name}/compiled-graphs", params=params).content)
+            page = RecordPage.model_validate_json(
+                client.get(f"/v1/repos/acme/{name}/compiled-graphs", params=params).content
+            )
             seen += [record.key for record in page.records]
             if page.next_cursor is None:
                 break
             cursor = page.next_cursor
         assert seen == [pub.key for pub in pubs]
         assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"family": "nope"}).json()["records"] == []
-        assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"lane": "fused+dense"}).json()["records"] == []
+        assert (
+            client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"lane": "fused+dense"}).json()["records"] == []
+        )
         assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"limit": 1001}).status_code == 400
         assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"cursor": "x"}).status_code == 400
 
@@ -280,7 +300,9 @@ def list_all(client: httpx.Client, name: str, **params) -> list[RecordPage]:
     """Every page of a listing, following ``next_cursor``; each answer is checked against the byte bound."""
     pages, cursor = [], None
     while True:
-        answer = client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={**params, **({"cursor": cursor} if cursor else {})})
+        answer = client.get(
+            f"/v1/repos/acme/{name}/compiled-graphs", params={**params, **({"cursor": cursor} if cursor else {})}
+        )
         assert answer.status_code == 200, answer.text
         assert len(answer.content) <= MAX_PAGE_BYTES
         pages.append(RecordPage.model_validate_json(answer.content))
@@ -295,9 +317,13 @@ def test_a_listing_page_is_cut_by_bytes_and_the_cursor_goes_on(store, pt2_archiv
     token = store.mint("minter", f"acme/{name}:read,write")
     padding = {"pad": "x" * (MAX_FREE_FORM_BYTES - 64)}
     pubs = [
-        publication(pt2_archive, report_a, components={"consts": constants_a},
-                    envelope={"shapes": [[8 * (i + 1), 8]], "text_len": 0},
-                    evidence={"kernel_lane_evidence": padding, "mint_phases": padding})
+        publication(
+            pt2_archive,
+            report_a,
+            components={"consts": constants_a},
+            envelope={"shapes": [[8 * (i + 1), 8]], "text_len": 0},
+            evidence={"kernel_lane_evidence": padding, "mint_phases": padding},
+        )
         for i in range(2 * MAX_PAGE_BYTES // (2 * MAX_FREE_FORM_BYTES) + 2)
     ]
     with store.client(token) as client:

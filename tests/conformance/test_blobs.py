@@ -109,7 +109,10 @@ def test_chunked_upload_resumes_from_the_servers_offset(repo):
     status = client.get(location)
     assert status.status_code == 204 and status.headers["Range"] == "0-4095"
     _error(client.patch(location, content=data[:4096], headers={"Content-Range": "0-4095"}), 416, "RANGE_INVALID")
-    assert client.patch(location, content=data[4096:], headers={"Content-Range": f"4096-{len(data) - 1}"}).status_code == 202
+    assert (
+        client.patch(location, content=data[4096:], headers={"Content-Range": f"4096-{len(data) - 1}"}).status_code
+        == 202
+    )
     assert client.put(location, params={"digest": digest_of(data)}).status_code == 201
     assert _fetch(client, f"{base}/blobs/{digest_of(data)}").content == data
 
@@ -172,7 +175,9 @@ def test_mount_needs_read_on_the_source(deployment, repo):
     data = b"mounted bytes"
     client.put(f"{base}/blobs/{digest_of(data)}", content=data)
     owner = base.split("/")[3]
-    mounted = client.post(f"/v1/repos/{owner}/elsewhere/blobs/{digest_of(data)}:mount", params={"from": f"{owner}/blobs"})
+    mounted = client.post(
+        f"/v1/repos/{owner}/elsewhere/blobs/{digest_of(data)}:mount", params={"from": f"{owner}/blobs"}
+    )
     assert mounted.status_code == 201, mounted.text
     assert _fetch(client, f"/v1/repos/{owner}/elsewhere/blobs/{digest_of(data)}").content == data
     stranger = unique("conf")

@@ -59,7 +59,9 @@ def test_publish_is_write_once(tenant, pub, pt2_archive, tmp_path):
 )
 def test_admission_refusals(tenant, pt2_archive, change, status, code):
     owner, client = tenant
-    refused = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)}, **change)
+    refused = publication(
+        pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)}, **change
+    )
     answer = publish(client, owner, "admission", refused)
     assert _code(answer, status) == code
 

@@ -113,10 +113,15 @@ class Registry:
         """A record whose every free-form field is hostile (:data:`HOSTILE_FIELDS`), published in ``private_repo``
         by :data:`HOSTILE` and by a second hostile-named publisher: the record page shows both, "Published by"."""
         lane, mint = HOSTILE_FIELDS["kernel-lane evidence"], HOSTILE_FIELDS["mint phases"]
-        pub = self.make(f"{self.family}-hostile", evidence={"kernel_lane_evidence": {lane: {"step_s": lane}},
-                                                            "mint_phases": {mint: mint}},
-                        layout={"display": HOSTILE_FIELDS["layout"], "topology": "blake3:" + "1" * 64,
-                                "quant": "blake3:" + "2" * 64})
+        pub = self.make(
+            f"{self.family}-hostile",
+            evidence={"kernel_lane_evidence": {lane: {"step_s": lane}}, "mint_phases": {mint: mint}},
+            layout={
+                "display": HOSTILE_FIELDS["layout"],
+                "topology": "blake3:" + "1" * 64,
+                "quant": "blake3:" + "2" * 64,
+            },
+        )
         second = store.mint(HOSTILE_FIELDS["second publisher"], f"{self.private_repo}:read,write")
         for token in (self.hostile_token, second):
             with store.client(token) as client:
@@ -129,8 +134,10 @@ class Registry:
         target = self.publish_another(store)
         owner, name = self.repo.split("/")
         with store.client(admin) as client:
-            yanked = client.post(f"/v1/repos/{owner}/{name}/compiled-graphs/{target.key}:yank",
-                                 json={"reason": HOSTILE_REASON, "publisher": HOSTILE})
+            yanked = client.post(
+                f"/v1/repos/{owner}/{name}/compiled-graphs/{target.key}:yank",
+                json={"reason": HOSTILE_REASON, "publisher": HOSTILE},
+            )
         assert yanked.status_code == 200, yanked.text
         return target
 
@@ -145,12 +152,14 @@ def registry(store, pt2_archive) -> Registry:
     publisher = f"pub-{uuid.uuid4().hex[:6]}"
     plain = store.mint(publisher, f"acme/{name}:read,write")
     hostile = store.mint(HOSTILE, f"acme/{name}:read,write", f"acme/{private_name}:read,write,admin")
+
     def make(family: str = family, *, own_component: bool = False, **manifest_fields) -> Publication:
         """``own_component``: a component no other record binds (its header's metadata makes its bytes unique);
         ``manifest_fields`` replace the manifest's (``evidence``, ``layout``...)."""
         own = {"consts": safetensors_bytes(CONSTANTS_A, {"nonce": uuid.uuid4().hex})} if own_component else components
-        return publication(pt2_archive, report, components=own, envelope=unique_envelope(), family=family,
-                           **manifest_fields)
+        return publication(
+            pt2_archive, report, components=own, envelope=unique_envelope(), family=family, **manifest_fields
+        )
 
     pubs = [make() for _ in range(3)]
     with store.client(plain) as client:

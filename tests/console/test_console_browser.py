@@ -112,8 +112,10 @@ def opened(store, browser: Browser, **options) -> Iterator[Tab]:
     tab = Tab(store, context, page)
     page.on("request", lambda request: tab.requests.append(request.url))
     page.on("console", lambda message: _is_error(message) and tab.errors.append(message.text))
-    page.on("response", lambda response: _failed_resource(response) and tab.errors.append(
-        f"{response.status} {response.url}"))
+    page.on(
+        "response",
+        lambda response: _failed_resource(response) and tab.errors.append(f"{response.status} {response.url}"),
+    )
     page.on("pageerror", lambda error: tab.errors.append(str(error)))
     page.on("dialog", lambda dialog: (tab.dialogs.append(dialog.message), dialog.dismiss()))
     try:
@@ -228,11 +230,18 @@ def _with_a_gpu_verdict(store, key: str) -> None:
     archives are minted on CPU, which records none), as its row keeps it."""
     quantum = QUANTUM_BYTES
     verdict = {
-        "winner": "baseline+packed", "rule": RULE_FIT_CONSTRAINED_SPEED, "binding": "vram-tiebreak",
-        "margin_fraction": 0.05, "candidates": ["baseline+packed", "baseline+dense"],
-        "fit": {"quantum_bytes": quantum, "activation_spike_fraction": 0.2, "fragmentation_headroom_bytes": 1 << 30,
-                "peaks": {"baseline+packed": 53 * quantum, "baseline+dense": 92 * quantum},
-                "order": ["baseline+packed", "baseline+dense"]},
+        "winner": "baseline+packed",
+        "rule": RULE_FIT_CONSTRAINED_SPEED,
+        "binding": "vram-tiebreak",
+        "margin_fraction": 0.05,
+        "candidates": ["baseline+packed", "baseline+dense"],
+        "fit": {
+            "quantum_bytes": quantum,
+            "activation_spike_fraction": 0.2,
+            "fragmentation_headroom_bytes": 1 << 30,
+            "peaks": {"baseline+packed": 53 * quantum, "baseline+dense": 92 * quantum},
+            "order": ["baseline+packed", "baseline+dense"],
+        },
     }
     with store.context.db.session() as session:
         session.execute(update(CompiledGraph).where(CompiledGraph.key == key).values(kernel_lane=verdict))
@@ -247,8 +256,16 @@ def test_the_record_page(tab, store, admin, registry):
     with tab.page.expect_navigation():
         tab.page.get_by_role("link", name=pub.key, exact=True).click()
     assert tab.path == f"/console/records/{registry.repo}/{pub.key}" and tab.heading() == "Record"
-    for heading in ("Manifest", "Input contract", "Binding table", "Components", "Kernel lane", "Evidence",
-                    "Receipt", "History"):
+    for heading in (
+        "Manifest",
+        "Input contract",
+        "Binding table",
+        "Components",
+        "Kernel lane",
+        "Evidence",
+        "Receipt",
+        "History",
+    ):
         assert tab.page.get_by_role("heading", name=heading, exact=True).is_visible(), heading
     facts = tab.page.locator("dl.facts").first.inner_text()
     assert pub.key in facts and f"{registry.family}-more" in facts and HOSTILE in facts

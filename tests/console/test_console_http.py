@@ -96,7 +96,10 @@ def test_a_token_without_admin_sees_a_403_page_and_nothing_else(store):
             assert refused.status_code == 403 and h1(refused.text) == "Forbidden", path
             assert "/console/records?" not in refused.text
     denied = rows(store, AuditEvent.actor == sub)
-    assert [(e.action, e.outcome) for e in denied][:2] == [("POST /console/login", "DENIED"), ("GET /console", "DENIED")]
+    assert [(e.action, e.outcome) for e in denied][:2] == [
+        ("POST /console/login", "DENIED"),
+        ("GET /console", "DENIED"),
+    ]
 
 
 def test_an_invalid_token_gets_the_form_again_with_the_reason(store):
@@ -113,11 +116,13 @@ def test_a_sign_in_posted_from_another_origin_is_refused(store, admin):
     with httpx.Client(base_url=store.base_url, follow_redirects=False) as client:
         answer = client.post("/console/login", data={"token": admin}, headers={"Origin": "https://evil.example"})
         # Under Referrer-Policy: no-referrer a browser's own form says "Origin: null"; Sec-Fetch-Site tells.
-        sandboxed = client.post("/console/login", data={"token": admin},
-                                headers={"Origin": "null", "Sec-Fetch-Site": "cross-site"})
+        sandboxed = client.post(
+            "/console/login", data={"token": admin}, headers={"Origin": "null", "Sec-Fetch-Site": "cross-site"}
+        )
         same = client.post("/console/login", data={"token": admin}, headers={"Origin": store.base_url})
-        own_form = client.post("/console/login", data={"token": admin},
-                               headers={"Origin": "null", "Sec-Fetch-Site": "same-origin"})
+        own_form = client.post(
+            "/console/login", data={"token": admin}, headers={"Origin": "null", "Sec-Fetch-Site": "same-origin"}
+        )
     assert answer.status_code == sandboxed.status_code == 403 and "set-cookie" not in answer.headers
     assert same.status_code == own_form.status_code == 303
 
@@ -163,15 +168,21 @@ def test_every_console_answer_carries_the_security_headers(store, console, regis
     pub = registry.publications[0]
     with httpx.Client(base_url=store.base_url, follow_redirects=False) as anonymous:
         answers = [
-            anonymous.get("/console/login"), anonymous.get("/console"),
+            anonymous.get("/console/login"),
+            anonymous.get("/console"),
             anonymous.post("/console/login", data={"token": store.mint("console-nobody", "acme/x:read")}),
             anonymous.post("/console/login", data={"token": "garbage"}),
-            anonymous.get("/console/static/console.css"), anonymous.get("/console/static/console.js"),
-            anonymous.get("/console/static/nothing.css"), anonymous.get("/console/nowhere"),
+            anonymous.get("/console/static/console.css"),
+            anonymous.get("/console/static/console.js"),
+            anonymous.get("/console/static/nothing.css"),
+            anonymous.get("/console/nowhere"),
         ]
     answers += [console.get(path) for path in PAGES]
-    answers += [console.get(_record_path(registry.repo, pub.key)), console.get("/console/records?health=bogus"),
-                console.get(_record_path(registry.repo, "ck1-" + "0" * 56))]
+    answers += [
+        console.get(_record_path(registry.repo, pub.key)),
+        console.get("/console/records?health=bogus"),
+        console.get(_record_path(registry.repo, "ck1-" + "0" * 56)),
+    ]
     assert {a.status_code for a in answers} >= {200, 303, 400, 401, 403, 404}
     assert answers[6].status_code == 404 and h1(answers[6].text) == "Not found"  # a page, as every refusal
     for answer in answers:
@@ -248,9 +259,13 @@ def test_record_filters_narrow(store, console, registry, field):
     expected = {"repo": 3, "publisher": 2, "health": 4, "lane": 4}[field]
     assert table.count("<tr>") - 1 == expected, field
     assert f'name="{field}" value="{value}"' in page.text  # the form shows what was asked
-    nothing = console.get("/console/records", params={"family": registry.family, field: "acme/none"
-                                                      if field == "repo" else "blob_missing"
-                                                      if field == "health" else "nobody"})
+    nothing = console.get(
+        "/console/records",
+        params={
+            "family": registry.family,
+            field: "acme/none" if field == "repo" else "blob_missing" if field == "health" else "nobody",
+        },
+    )
     assert "no matching live records" in nothing.text
 
 
@@ -260,8 +275,11 @@ def test_records_page_by_keyset(store, console, registry):
     assert following is not None and "cursor=" in following and f"family={registry.family}" in following
     second = console.get(following)
     assert second.status_code == 200 and next_link(second.text) is None
-    seen = [key for key in [p.key for p in registry.publications] + [registry.private.key]
-            if key in first.text or key in second.text]
+    seen = [
+        key
+        for key in [p.key for p in registry.publications] + [registry.private.key]
+        if key in first.text or key in second.text
+    ]
     assert len(seen) == 4
     assert not any(key in first.text and key in second.text for key in seen)
 
@@ -270,8 +288,16 @@ def test_the_record_page(store, console, registry):
     pub = registry.publications[0]
     page = console.get(_record_path(registry.repo, pub.key))
     assert page.status_code == 200 and h1(page.text) == "Record"
-    for heading in ("Manifest", "Input contract", "Binding table", "Components", "Kernel lane", "Evidence",
-                    "Receipt", "History"):
+    for heading in (
+        "Manifest",
+        "Input contract",
+        "Binding table",
+        "Components",
+        "Kernel lane",
+        "Evidence",
+        "Receipt",
+        "History",
+    ):
         assert f"<h2>{heading}</h2>" in page.text, heading
     assert '<table class="binding">' in page.text and 'id="binding-search"' in page.text
     assert "consts" in page.text and pub.components["consts"].digest in page.text
@@ -290,8 +316,10 @@ def test_a_receipt_that_does_not_verify_is_said_so(store, console, registry):
         from sqlalchemy import update
 
         from cgstore.compiled_graphs.models import CompiledGraph
-        session.execute(update(CompiledGraph).where(CompiledGraph.key == pub.key)
-                        .values(receipt=CompiledGraph.receipt + "x"))  # the signature no longer matches
+
+        session.execute(
+            update(CompiledGraph).where(CompiledGraph.key == pub.key).values(receipt=CompiledGraph.receipt + "x")
+        )  # the signature no longer matches
     page = console.get(_record_path(registry.repo, pub.key))
     assert "does not verify" in page.text and "verifies against" not in page.text
 
@@ -355,8 +383,12 @@ def test_the_audit_page_filtered_by_repo_lists_its_publishes_and_yanks(store, co
     target = registry.publish_another(store)
     with store.client(admin) as client:
         owner, name = registry.repo.split("/")
-        assert client.post(f"/v1/repos/{owner}/{name}/compiled-graphs/{target.key}:yank",
-                           json={"reason": "superseded"}).status_code == 200
+        assert (
+            client.post(
+                f"/v1/repos/{owner}/{name}/compiled-graphs/{target.key}:yank", json={"reason": "superseded"}
+            ).status_code
+            == 200
+        )
     page = console.get("/console/audit", params={"repo": registry.repo, "action": "compiled_graph.*"})
     table = page.text.split('<table class="audit">')[1].split("</table>")[0]
     assert table.count("<td>compiled_graph.publish</td>") >= 4 and table.count("<td>compiled_graph.yank</td>") == 1
@@ -382,8 +414,9 @@ def test_hostile_strings_render_as_text(store, console, registry, admin):
         console.get("/console/records", params={"family": registry.family}),
         console.get("/console/records", params={"publisher": HOSTILE, "repo": registry.repo}),
         console.get(_record_path(registry.private_repo, registry.private.key)),
-        console.get("/console/audit", params={"action": "compiled_graph.yank",
-                                              "actor": store.context.tokens.verify(admin).sub}),
+        console.get(
+            "/console/audit", params={"action": "compiled_graph.yank", "actor": store.context.tokens.verify(admin).sub}
+        ),
         console.get("/console/audit", params={"actor": HOSTILE}),
         console.get("/console/tokens", params={"sub": HOSTILE}),
     ]
@@ -410,18 +443,21 @@ def test_every_free_form_field_of_the_record_page_renders_as_text(store, console
         assert f"<h2>Published by {escape(publisher)}" in page.text
 
 
-@pytest.mark.parametrize("path, params", [
-    ("/console/records", {"health": "bogus"}),
-    ("/console/records", {"repo": "not a repo"}),
-    ("/console/records", {"cursor": "made-up"}),
-    ("/console/records", {"limit": "0"}),
-    ("/console/audit", {"since": "yesterday"}),
-    ("/console/audit", {"cursor": "-1"}),
-    ("/console/audit", {"limit": "100000"}),
-    ("/console/records", {"limit": "\u0967"}),  # DEVANAGARI DIGIT ONE: int() reads it as 1
-    ("/console/tokens", {"cursor": "nosuchjti"}),
-    ("/console/records", {"family": "x" * 2000}),
-])
+@pytest.mark.parametrize(
+    "path, params",
+    [
+        ("/console/records", {"health": "bogus"}),
+        ("/console/records", {"repo": "not a repo"}),
+        ("/console/records", {"cursor": "made-up"}),
+        ("/console/records", {"limit": "0"}),
+        ("/console/audit", {"since": "yesterday"}),
+        ("/console/audit", {"cursor": "-1"}),
+        ("/console/audit", {"limit": "100000"}),
+        ("/console/records", {"limit": "\u0967"}),  # DEVANAGARI DIGIT ONE: int() reads it as 1
+        ("/console/tokens", {"cursor": "nosuchjti"}),
+        ("/console/records", {"family": "x" * 2000}),
+    ],
+)
 def test_bad_filter_input_shows_the_page_with_an_error(store, console, path, params):
     answer = console.get(path, params=params)
     assert answer.status_code == 400, answer.text
@@ -442,8 +478,12 @@ def test_console_reads_are_audited(store, console, admin, registry):
     console.get(_record_path(registry.repo, registry.publications[0].key))
     console.get("/console/audit", params={"actor": "nobody"})
     reads = rows(store, AuditEvent.jti == jti)
-    assert [e.action for e in reads] == ["POST /console/login", "GET /console/records",
-                                         "GET /console/records/{owner}/{repo}/{key}", "GET /console/audit"]
+    assert [e.action for e in reads] == [
+        "POST /console/login",
+        "GET /console/records",
+        "GET /console/records/{owner}/{repo}/{key}",
+        "GET /console/audit",
+    ]
     assert reads[1].target == f"/console/records?family={registry.family}" and reads[1].outcome == "ok"
     assert reads[2].target == _record_path(registry.repo, registry.publications[0].key)
 
@@ -451,8 +491,9 @@ def test_console_reads_are_audited(store, console, admin, registry):
 def test_the_fit_chart_draws_each_lane_against_card_sizes():
     gib = 1 << 30
     lane = '<b>"dense"</b>'
-    svg = charts.fit_chart({"winner": "baseline+packed",
-                            "fit": {"peaks": {"baseline+packed": 20 * gib, lane: 60 * gib}, "order": []}})
+    svg = charts.fit_chart(
+        {"winner": "baseline+packed", "fit": {"peaks": {"baseline+packed": 20 * gib, lane: 60 * gib}, "order": []}}
+    )
     assert svg.startswith('<svg class="fit"') and svg.count("<rect") == 4
     assert "&lt;b&gt;&#34;dense&#34;&lt;/b&gt;" in svg and "<b>" not in svg
     assert "80 GiB" in svg and "24 GiB" in svg and 'class="bar winner"' in svg

@@ -51,12 +51,16 @@ def _unescaped(name: str) -> list[str]:
     """Where ``name`` lets a value out unescaped: ``template:line what``."""
     tree = TEMPLATES.parse(TEMPLATES.loader.get_source(TEMPLATES, name)[0], name=name)
     found = []
-    for node in tree.find_all((nodes.Filter, nodes.EvalContextModifier, nodes.MarkSafe,
-                               nodes.MarkSafeIfAutoescape, nodes.Name)):
+    for node in tree.find_all(
+        (nodes.Filter, nodes.EvalContextModifier, nodes.MarkSafe, nodes.MarkSafeIfAutoescape, nodes.Name)
+    ):
         if isinstance(node, nodes.Filter) and node.name in UNESCAPING:
             found.append(f"|{node.name}")
-        elif isinstance(node, nodes.Filter) and node.name in APPLYING and any(
-                isinstance(arg, nodes.Const) and arg.value in UNESCAPING for arg in node.args):
+        elif (
+            isinstance(node, nodes.Filter)
+            and node.name in APPLYING
+            and any(isinstance(arg, nodes.Const) and arg.value in UNESCAPING for arg in node.args)
+        ):
             found.append(f"|{node.name}({node.args[0].value!r})")
         elif isinstance(node, nodes.EvalContextModifier):  # {% autoescape ... %}, scoped or not
             found.append("autoescape block")

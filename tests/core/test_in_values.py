@@ -10,12 +10,16 @@ from cgstore.core.db import Database, in_values
 _metadata = MetaData()
 _things = Table("in_values_things", _metadata, Column("id", Integer, primary_key=True), Column("name", String(64)))
 # Strings a hand-built array literal could get wrong: quotes, backslashes, commas, braces, spaces, NULL.
-_NAMES = ['plain', 'with "quotes"', "back\\slash", "a,b", "{braces}", " spaced ", "NULL", "", "ck1-" + "0" * 56]
+_NAMES = ["plain", 'with "quotes"', "back\\slash", "a,b", "{braces}", " spaced ", "NULL", "", "ck1-" + "0" * 56]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def db(request, tmp_path):
-    url = f"sqlite:///{tmp_path / 'in_values.sqlite3'}" if request.param == "sqlite" else request.getfixturevalue("pg_url")
+    url = (
+        f"sqlite:///{tmp_path / 'in_values.sqlite3'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("pg_url")
+    )
     database = Database(url)
     _metadata.create_all(database.engine)
     with database.session() as session:

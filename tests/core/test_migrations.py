@@ -64,22 +64,43 @@ def test_0012_backfills_discovery_digests_and_leaves_binding_signatures_null(emp
     engine = create_engine(empty_database)
     try:
         with engine.begin() as conn:
-            conn.execute(text("INSERT INTO repos (owner, name, visibility, created_by, created_at) "
-                              "VALUES ('acme', 'old', 'public', 'ops', :now)"), {"now": now})
-            conn.execute(text("INSERT INTO blobs (digest, size, created_at, linked_at) VALUES (:d, 1, :now, :now)"),
-                         {"d": "blake3:" + "a" * 64, "now": now})
-            conn.execute(text(
-                "INSERT INTO compiled_graphs (repo_id, key, kind, format, family, lane, sm, graph_digest, envelope, "
-                "envelope_digest, toolchain, toolchain_digest, recorded_versions, artifact_digest, artifact_size, "
-                "component_set, input_contract, binding_table, publisher, created_at, health, scope) "
-                "SELECT id, :key, 'aot-inductor', 'pt2', 'flux', 'baseline+packed', 'sm_90', :g, '{}', :e, '{}', :t, "
-                ":rec, :a, 1, :g, '{}', '[]', 'minter', :now, 'ok', '' FROM repos"),
-                {"key": "ck1-" + "1" * 56, "g": "blake3:" + "0" * 64, "e": envelope, "t": toolchain,
-                 "rec": json.dumps(recorded), "a": "blake3:" + "a" * 64, "now": now})
+            conn.execute(
+                text(
+                    "INSERT INTO repos (owner, name, visibility, created_by, created_at) "
+                    "VALUES ('acme', 'old', 'public', 'ops', :now)"
+                ),
+                {"now": now},
+            )
+            conn.execute(
+                text("INSERT INTO blobs (digest, size, created_at, linked_at) VALUES (:d, 1, :now, :now)"),
+                {"d": "blake3:" + "a" * 64, "now": now},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO compiled_graphs (repo_id, key, kind, format, family, lane, sm, graph_digest, envelope, "
+                    "envelope_digest, toolchain, toolchain_digest, recorded_versions, artifact_digest, artifact_size, "
+                    "component_set, input_contract, binding_table, publisher, created_at, health, scope) "
+                    "SELECT id, :key, 'aot-inductor', 'pt2', 'flux', 'baseline+packed', 'sm_90', :g, '{}', :e, '{}', :t, "
+                    ":rec, :a, 1, :g, '{}', '[]', 'minter', :now, 'ok', '' FROM repos"
+                ),
+                {
+                    "key": "ck1-" + "1" * 56,
+                    "g": "blake3:" + "0" * 64,
+                    "e": envelope,
+                    "t": toolchain,
+                    "rec": json.dumps(recorded),
+                    "a": "blake3:" + "a" * 64,
+                    "now": now,
+                },
+            )
         migrate.upgrade(empty_database)
         with engine.connect() as conn:
-            row = conn.execute(text("SELECT discovery_digest, binding_signature, release, code_fingerprint, "
-                                    "drift_reports FROM compiled_graphs")).one()
+            row = conn.execute(
+                text(
+                    "SELECT discovery_digest, binding_signature, release, code_fingerprint, "
+                    "drift_reports FROM compiled_graphs"
+                )
+            ).one()
     finally:
         engine.dispose()
     assert tuple(row) == (discovery_digest("flux", envelope, "sm_90", toolchain, recorded), None, None, None, 0)

@@ -97,6 +97,7 @@ def assert_cli_accepts(argv: list[str]) -> None:
 
 # -- variables ----------------------------------------------------------------------
 
+
 def test_every_cgstore_variable_is_a_real_setting(services):
     named = {key for svc in services.values() for key in svc.get("environment", {}) if key.startswith("CGSTORE_")}
     named |= {key for key in dockerfile_env() if key.startswith("CGSTORE_")}
@@ -133,6 +134,7 @@ def test_migration_and_store_share_one_configuration(services):
 
 # -- commands ---------------------------------------------------------------------
 
+
 def test_service_commands_are_cgstore_commands(services):
     commands = {name: svc["command"] for name, svc in cgstore_services(services).items()}
     assert set(commands) == {"migrate", "store"}
@@ -161,6 +163,7 @@ def test_the_migration_retries_for_a_bounded_time(services):
 
 
 # -- images and health ----------------------------------------------------------------
+
 
 def test_the_store_image_is_built_once_and_shared(services):
     builders = [name for name, svc in services.items() if "build" in svc]
@@ -198,6 +201,7 @@ def test_every_awaited_health_has_a_healthcheck(services):
 
 # -- S3 credentials ------------------------------------------------------------------
 
+
 def test_the_store_uses_its_own_minio_user_not_the_root(services):
     store_env = store_environment(services["store"])
     minio_env = {key: interpolate(str(value)) for key, value in services["minio"]["environment"].items()}
@@ -214,6 +218,7 @@ def test_the_store_uses_its_own_minio_user_not_the_root(services):
 
 
 # -- build context and docs --------------------------------------------------------------
+
 
 def test_dockerignore_keeps_local_state_out_and_the_sources_in():
     ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and line[0] != "#"}
@@ -268,11 +273,7 @@ def declared_labels() -> dict[str, set[str]]:
     """
     metrics = Metrics()
     collectors = [value for value in vars(metrics).values() if isinstance(value, MetricWrapperBase)]
-    return {
-        family.name: set(collector._labelnames)
-        for collector in collectors
-        for family in collector.describe()
-    }
+    return {family.name: set(collector._labelnames) for collector in collectors for family in collector.describe()}
 
 
 def exported_series(scrape: str) -> dict[str, set[str]]:
@@ -340,7 +341,9 @@ def test_the_dashboard_queries_only_series_the_store_exports(dashboard, scraped)
 def test_the_dashboard_shows_every_family_the_store_exports(dashboard):
     """A metric added to the store gets its panel."""
     queried = {name for expr in dashboard_exprs(dashboard) for name in _SERIES.findall(_STRING.sub('""', expr))}
-    shown = {family for family in declared_labels() for name in queried if name.startswith(family + "_") or name == family}
+    shown = {
+        family for family in declared_labels() for name in queried if name.startswith(family + "_") or name == family
+    }
     assert set(declared_labels()) - shown == set()
 
 
@@ -361,11 +364,17 @@ def test_the_dashboard_shows_every_family_the_store_exports(dashboard):
 def test_a_query_of_what_the_store_does_not_export_is_caught(expr, problem):
     """The check above is not vacuous: made-up names, wrong suffixes and labels fail it."""
     exported = exported_series(
-        "\n".join(f"# TYPE {name} {kind}" for name, kind in [
-            ("cgstore_requests_total", "counter"), ("cgstore_request_seconds", "histogram"),
-            ("cgstore_bytes_in_total", "counter"), ("cgstore_publish_total", "counter"),
-            ("cgstore_resolve_answers_total", "counter"),
-        ]) + "\n"
+        "\n".join(
+            f"# TYPE {name} {kind}"
+            for name, kind in [
+                ("cgstore_requests_total", "counter"),
+                ("cgstore_request_seconds", "histogram"),
+                ("cgstore_bytes_in_total", "counter"),
+                ("cgstore_publish_total", "counter"),
+                ("cgstore_resolve_answers_total", "counter"),
+            ]
+        )
+        + "\n"
     )
     problems = query_problems(expr, exported)
     assert any(problem in found for found in problems), problems
@@ -428,6 +437,7 @@ def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard(services
 
 
 # -- the retry itself -------------------------------------------------------------------
+
 
 def test_db_upgrade_wait_gives_up_after_its_bound(monkeypatch):
     monkeypatch.setenv("CGSTORE_DATABASE_URL", f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/none")

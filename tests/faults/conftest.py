@@ -50,7 +50,11 @@ class FaultWorld:
             subprocess.run([*cli, "db", "upgrade"], env=env, check=True, cwd=REPO_ROOT, capture_output=True)
             minted = subprocess.run(
                 [*cli, "token", "mint", "--sub", sub, "--grant", grant, "--ttl", "2h"],
-                env=env, check=True, cwd=REPO_ROOT, capture_output=True, text=True,
+                env=env,
+                check=True,
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
             )
             self.tokens[(sub, grant)] = minted.stdout.strip()
         return self.tokens[(sub, grant)]

@@ -20,7 +20,8 @@ def _upload(world, label: str) -> str:
     with store_process(world.env, world.home) as store:
         answer = httpx.put(
             f"{store.base_url}/v1/repos/acme/checker/blobs/{blob_of(data)}",
-            content=data, headers={"Authorization": f"Bearer {token}"},
+            content=data,
+            headers={"Authorization": f"Bearer {token}"},
         )
         assert answer.status_code == 201, answer.text
     return blob_of(data)

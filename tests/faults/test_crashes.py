@@ -41,7 +41,10 @@ def test_killed_between_storing_and_linking_a_monolithic_upload(world):
     token = world.token("faults-crash", "acme/*:read,write")
     data = unique_bytes("crash-upload.stored", 64 * 1024)
     url = f"/v1/repos/acme/crash-put/blobs/{blob_of(data)}"
-    with store_process({**world.env, "CGSTORE_CRASH_AT": "upload.stored"}, world.home) as store, _client(store, token) as client:
+    with (
+        store_process({**world.env, "CGSTORE_CRASH_AT": "upload.stored"}, world.home) as store,
+        _client(store, token) as client,
+    ):
         _expect_killed(store, lambda: client.put(url, content=data))
     world.assert_invariants()
     with store_process(world.env, world.home) as store, _client(store, token) as client:
@@ -58,7 +61,10 @@ def test_killed_after_staging_a_chunk_before_its_offset_moved(world):
         location = client.post("/v1/repos/acme/crash-chunk/uploads").headers["Location"]
         assert client.patch(location, content=data[:8192], headers={"Content-Range": "0-8191"}).status_code == 202
     second = {"content": data[8192:], "headers": {"Content-Range": "8192-16383"}}
-    with store_process({**world.env, "CGSTORE_CRASH_AT": "session.staged"}, world.home) as store, _client(store, token) as client:
+    with (
+        store_process({**world.env, "CGSTORE_CRASH_AT": "session.staged"}, world.home) as store,
+        _client(store, token) as client,
+    ):
         _expect_killed(store, lambda: client.patch(location, **second))
     with store_process(world.env, world.home) as store, _client(store, token) as client:
         # The chunk the crash interrupted does not count: the session resumes where it was.
@@ -75,7 +81,10 @@ def test_killed_between_committing_the_staged_bytes_and_linking(world):
     with store_process(world.env, world.home) as store, _client(store, token) as client:
         location = client.post("/v1/repos/acme/crash-commit/uploads").headers["Location"]
         assert client.patch(location, content=data, headers={"Content-Range": "0-8191"}).status_code == 202
-    with store_process({**world.env, "CGSTORE_CRASH_AT": "commit.stored"}, world.home) as store, _client(store, token) as client:
+    with (
+        store_process({**world.env, "CGSTORE_CRASH_AT": "commit.stored"}, world.home) as store,
+        _client(store, token) as client,
+    ):
         _expect_killed(store, lambda: client.put(location, params={"digest": blob_of(data)}))
     world.assert_invariants()
     with store_process(world.env, world.home) as store, _client(store, token) as client:

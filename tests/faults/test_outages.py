@@ -71,13 +71,18 @@ def test_postgres_stopped_mid_chunked_upload_resumes_from_the_committed_offset(w
             assert first.status_code == 202
             world.pg.stop()
             try:
-                _assert_unavailable(client.patch(location, content=data[4096:8192], headers={"Content-Range": "4096-8191"}))
+                _assert_unavailable(
+                    client.patch(location, content=data[4096:8192], headers={"Content-Range": "4096-8191"})
+                )
             finally:
                 world.pg.start()
             wait_until_ready(store.base_url)
             status = client.get(location)
             assert status.status_code == 204 and status.headers["Upload-Offset"] == "4096"
-            assert client.patch(location, content=data[4096:8192], headers={"Content-Range": "4096-8191"}).status_code == 202
+            assert (
+                client.patch(location, content=data[4096:8192], headers={"Content-Range": "4096-8191"}).status_code
+                == 202
+            )
             done = client.put(location, params={"digest": blob_of(data)}, content=data[8192:])
             assert done.status_code == 201, done.text
             assert client.get(f"/v1/repos/acme/sessions/blobs/{blob_of(data)}").content == data

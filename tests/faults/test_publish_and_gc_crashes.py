@@ -64,11 +64,14 @@ def test_killed_inside_a_publish(world, pub, point, published):
 
 
 def _gc(world, *extra_env: tuple[str, str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, **world.env, "CGSTORE_HOME": str(world.home), "CGSTORE_LEASE_TTL_S": "2",
-           **dict(extra_env)}
+    env = {**os.environ, **world.env, "CGSTORE_HOME": str(world.home), "CGSTORE_LEASE_TTL_S": "2", **dict(extra_env)}
     return subprocess.run(
         [sys.executable, "-m", "cgstore.cli", "gc", "--grace", "0s"],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

@@ -90,9 +90,16 @@ class RawZip:
     @staticmethod
     def _local_header(name: bytes, data: bytes, flags: int, declared_size: int) -> bytes:
         crc = zlib.crc32(data)
-        return struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, flags, 0, 0, 0x21, crc, len(data), declared_size, len(name), 0) + name
+        return (
+            struct.pack(
+                "<4sHHHHHIIIHH", b"PK\x03\x04", 20, flags, 0, 0, 0x21, crc, len(data), declared_size, len(name), 0
+            )
+            + name
+        )
 
-    def _central_record(self, name: bytes, data: bytes, offset: int, *, flags: int, external_attr: int, declared_size: int) -> bytes:
+    def _central_record(
+        self, name: bytes, data: bytes, offset: int, *, flags: int, external_attr: int, declared_size: int
+    ) -> bytes:
         crc = zlib.crc32(data)
         version_made_by = (3 << 8) | 20  # unix creator: external attributes carry a file mode
         return (
@@ -119,7 +126,9 @@ class RawZip:
             + name
         )
 
-    def add(self, name: str, data: bytes, *, mode: int = 0o100644, flags: int = 0, declared_size: int | None = None) -> None:
+    def add(
+        self, name: str, data: bytes, *, mode: int = 0o100644, flags: int = 0, declared_size: int | None = None
+    ) -> None:
         encoded = name.encode("utf-8")
         size = len(data) if declared_size is None else declared_size
         offset = len(self._body)
@@ -137,12 +146,32 @@ class RawZip:
         header = self._local_header(outer_encoded, inner_local, 0, len(inner_local))
         inner_offset = outer_offset + len(header)
         self._body += header + inner_local
-        self._central.append(self._central_record(outer_encoded, inner_local, outer_offset, flags=0, external_attr=0o100644 << 16, declared_size=len(inner_local)))
-        self._central.append(self._central_record(inner_encoded, inner_data, inner_offset, flags=0, external_attr=0o100644 << 16, declared_size=len(inner_data)))
+        self._central.append(
+            self._central_record(
+                outer_encoded,
+                inner_local,
+                outer_offset,
+                flags=0,
+                external_attr=0o100644 << 16,
+                declared_size=len(inner_local),
+            )
+        )
+        self._central.append(
+            self._central_record(
+                inner_encoded,
+                inner_data,
+                inner_offset,
+                flags=0,
+                external_attr=0o100644 << 16,
+                declared_size=len(inner_data),
+            )
+        )
 
     def write(self, path: Path) -> Path:
         central = b"".join(self._central)
-        end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(self._central), len(self._central), len(central), len(self._body), 0)
+        end = struct.pack(
+            "<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(self._central), len(self._central), len(central), len(self._body), 0
+        )
         path.write_bytes(bytes(self._body) + central + end)
         return path
 
@@ -173,7 +202,7 @@ def _lying_sizes(out: Path) -> Path:
         header_offset = source.getinfo(name).header_offset
     data = bytearray(out.read_bytes())
     struct.pack_into("<I", data, header_offset + 22, 1000)  # local header: uncompressed size
-    central = data.rfind(b"PK\x01\x02" , 0, len(data))
+    central = data.rfind(b"PK\x01\x02", 0, len(data))
     while central >= 0:
         name_length = struct.unpack_from("<H", data, central + 28)[0]
         if data[central + 46 : central + 46 + name_length] == name.encode():
@@ -259,44 +288,179 @@ def build_corpus(base: Path, out: Path) -> list[HostileCase]:
     cases: list[tuple[str, Callable[[Path], Path], type[errors.ArchiveError], str]] = [
         ("zip-bomb.pt2", _zip_bomb, errors.ArchiveBomb, "128 MiB of zeros deflated ~1000:1"),
         ("lying-sizes.pt2", _lying_sizes, errors.ArchiveMalformed, "headers declare fewer bytes than are stored"),
-        ("dotdot.pt2", lambda p: rewrite(base, p, add=[(f"{ROOT}/../evil.so", b"x")]), errors.ArchivePathUnsafe, "a '..' entry"),
-        ("absolute.pt2", lambda p: rewrite(base, p, add=[("/etc/cgstore-evil", b"x")]), errors.ArchivePathUnsafe, "an absolute entry"),
-        ("backslash.pt2", lambda p: rewrite(base, p, add=[(f"{ROOT}\\..\\evil.so", b"x")]), errors.ArchivePathUnsafe, "a backslash entry"),
-        ("duplicate.pt2", lambda p: rewrite(base, p, add=[(metadata, b"{}")]), errors.ArchiveDuplicateEntry, "two entries, one name"),
+        (
+            "dotdot.pt2",
+            lambda p: rewrite(base, p, add=[(f"{ROOT}/../evil.so", b"x")]),
+            errors.ArchivePathUnsafe,
+            "a '..' entry",
+        ),
+        (
+            "absolute.pt2",
+            lambda p: rewrite(base, p, add=[("/etc/cgstore-evil", b"x")]),
+            errors.ArchivePathUnsafe,
+            "an absolute entry",
+        ),
+        (
+            "backslash.pt2",
+            lambda p: rewrite(base, p, add=[(f"{ROOT}\\..\\evil.so", b"x")]),
+            errors.ArchivePathUnsafe,
+            "a backslash entry",
+        ),
+        (
+            "duplicate.pt2",
+            lambda p: rewrite(base, p, add=[(metadata, b"{}")]),
+            errors.ArchiveDuplicateEntry,
+            "two entries, one name",
+        ),
         ("truncated.pt2", lambda p: _truncate(base, p), errors.ArchiveTruncated, "the first half of a real archive"),
-        ("program-50mb.pt2", lambda p: _with_big_program(base, p, 50 * MIB), errors.JsonTooLarge, "a 50 MB serialized program"),
-        ("program-deep.pt2", lambda p: rewrite(base, p, replace={program: b"[" * 200_000 + b"]" * 200_000}), errors.JsonTooDeep, "JSON nested 200 000 deep"),
-        ("program-nan.pt2", lambda p: rewrite(base, p, replace={program: b'{"a": NaN}'}), errors.JsonInvalid, "a NaN literal"),
-        ("program-duplicate-key.pt2", lambda p: rewrite(base, p, replace={program: b'{"a": 1, "a": 2}'}), errors.JsonInvalid, "a duplicated JSON key"),
+        (
+            "program-50mb.pt2",
+            lambda p: _with_big_program(base, p, 50 * MIB),
+            errors.JsonTooLarge,
+            "a 50 MB serialized program",
+        ),
+        (
+            "program-deep.pt2",
+            lambda p: rewrite(base, p, replace={program: b"[" * 200_000 + b"]" * 200_000}),
+            errors.JsonTooDeep,
+            "JSON nested 200 000 deep",
+        ),
+        (
+            "program-nan.pt2",
+            lambda p: rewrite(base, p, replace={program: b'{"a": NaN}'}),
+            errors.JsonInvalid,
+            "a NaN literal",
+        ),
+        (
+            "program-duplicate-key.pt2",
+            lambda p: rewrite(base, p, replace={program: b'{"a": 1, "a": 2}'}),
+            errors.JsonInvalid,
+            "a duplicated JSON key",
+        ),
         ("symlink.pt2", _symlink, errors.ArchiveSymlink, "an entry whose mode is a symlink"),
         ("encrypted.pt2", _encrypted, errors.ArchiveEncrypted, "an entry flagged encrypted"),
         ("overlapping.pt2", _overlapping, errors.ArchiveOverlappingEntries, "two entries sharing bytes"),
         ("too-many-entries.pt2", lambda p: _many_entries(p, 10_001), errors.ArchiveTooLarge, "10 001 entries"),
         ("prepended.pt2", lambda p: _prepended(base, p), errors.KindUnsupported, "a shell script with a zip appended"),
-        ("appended.pt2", lambda p: _write(p, base.read_bytes() + b"trailing"), errors.ArchiveMalformed, "bytes after the zip"),
-        ("inductor-cache.tar.gz", lambda p: _tarball(p, _INDUCTOR_CACHE, compress=True), errors.KindRetired, "the retired cache tarball"),
-        ("inductor-cache-named.pt2", lambda p: _tarball(p, _INDUCTOR_CACHE, compress=False), errors.KindRetired, "a cache tar named .pt2"),
+        (
+            "appended.pt2",
+            lambda p: _write(p, base.read_bytes() + b"trailing"),
+            errors.ArchiveMalformed,
+            "bytes after the zip",
+        ),
+        (
+            "inductor-cache.tar.gz",
+            lambda p: _tarball(p, _INDUCTOR_CACHE, compress=True),
+            errors.KindRetired,
+            "the retired cache tarball",
+        ),
+        (
+            "inductor-cache-named.pt2",
+            lambda p: _tarball(p, _INDUCTOR_CACHE, compress=False),
+            errors.KindRetired,
+            "a cache tar named .pt2",
+        ),
         ("inductor-cache.zip", _cache_zip, errors.KindRetired, "a cache capture zipped"),
         ("inductor-cache-dir", _inductor_cache_dir, errors.KindRetired, "a cache directory"),
         ("random.pt2", lambda p: _write(p, os.urandom(4096)), errors.KindUnsupported, "random bytes"),
         ("empty.pt2", lambda p: _write(p, b""), errors.KindUnsupported, "an empty file"),
-        ("plain.tar.gz", lambda p: _tarball(p, {"README.md": b"hello"}, compress=True), errors.KindUnsupported, "an unrelated tarball"),
+        (
+            "plain.tar.gz",
+            lambda p: _tarball(p, {"README.md": b"hello"}, compress=True),
+            errors.KindUnsupported,
+            "an unrelated tarball",
+        ),
         ("not-pt2.zip", _plain_zip, errors.KindUnsupported, "a zip without archive_format"),
-        ("weights.pt2", lambda p: rewrite(base, p, add=[(f"{ROOT}/data/weights/weight_0", bytes(64))]), errors.ArchiveNotWeightFree, "data/weights"),
-        ("constants.pt2", lambda p: rewrite(base, p, add=[(f"{ROOT}/data/constants/tensor_0", bytes(64))]), errors.ArchiveNotWeightFree, "data/constants"),
-        ("weights-blob.pt2", lambda p: rewrite(base, p, add=[(f"{ROOT}/data/aotinductor/model/x_weights.blob", bytes(64))]), errors.ArchiveNotWeightFree, "an external weights blob"),
-        ("sample-inputs.pt2", lambda p: rewrite(base, p, add=[(f"{ROOT}/data/sample_inputs/model.pt", pickle_bytes)]), errors.ArchiveNotPickleFree, "pickled sample inputs"),
-        ("hidden-pickle.pt2", lambda p: rewrite(base, p, add=[(f"{ROOT}/extra/notes.bin", pickle_bytes)]), errors.ArchiveNotPickleFree, "a pickle stream under another name"),
-        ("constants-in-so.pt2", lambda p: rewrite(base, p, replace={metadata: _metadata(base, package_constants_in_so=True)}), errors.ArchiveNotWeightFree, "metadata says constants are in the .so"),
-        ("two-roots.pt2", lambda p: rewrite(base, p, add=[("other/archive_format", b"pt2")]), errors.ArchiveLayoutInvalid, "two root folders"),
-        ("unexpected-entry.pt2", lambda p: rewrite(base, p, add=[(f"{ROOT}/data/mtia/blob", b"x")]), errors.ArchiveLayoutInvalid, "an entry outside the layout"),
-        ("no-program.pt2", lambda p: rewrite(base, p, drop=[program]), errors.ArchiveLayoutInvalid, "no serialized program"),
-        ("unknown-version.pt2", lambda p: rewrite(base, p, replace={f"{ROOT}/archive_version": b"99"}), errors.ArchiveMalformed, "archive_version 99"),
-        ("no-metadata.pt2", lambda p: rewrite(base, p, drop=[metadata]), errors.MetadataMissing, "no extra/metadata.json"),
-        ("bad-metadata.pt2", lambda p: rewrite(base, p, replace={metadata: _metadata(base, built_at="2024-01-01T00:00:00Z")}), errors.MetadataInvalid, "a wall clock in metadata"),
-        ("retired-kind-metadata.pt2", lambda p: rewrite(base, p, replace={metadata: _metadata(base, kind="torch-inductor-cache")}), errors.KindRetired, "metadata naming the retired kind"),
-        ("sm-mismatch.pt2", lambda p: rewrite(base, p, replace={metadata: _metadata(base, sm="sm_90")}), errors.SmMismatch, "metadata sm against a CPU build"),
-        ("not-a-program.pt2", lambda p: rewrite(base, p, replace={program: b'{"graph_module": {}}'}), errors.ProgramInvalid, "JSON that is not an ExportedProgram"),
+        (
+            "weights.pt2",
+            lambda p: rewrite(base, p, add=[(f"{ROOT}/data/weights/weight_0", bytes(64))]),
+            errors.ArchiveNotWeightFree,
+            "data/weights",
+        ),
+        (
+            "constants.pt2",
+            lambda p: rewrite(base, p, add=[(f"{ROOT}/data/constants/tensor_0", bytes(64))]),
+            errors.ArchiveNotWeightFree,
+            "data/constants",
+        ),
+        (
+            "weights-blob.pt2",
+            lambda p: rewrite(base, p, add=[(f"{ROOT}/data/aotinductor/model/x_weights.blob", bytes(64))]),
+            errors.ArchiveNotWeightFree,
+            "an external weights blob",
+        ),
+        (
+            "sample-inputs.pt2",
+            lambda p: rewrite(base, p, add=[(f"{ROOT}/data/sample_inputs/model.pt", pickle_bytes)]),
+            errors.ArchiveNotPickleFree,
+            "pickled sample inputs",
+        ),
+        (
+            "hidden-pickle.pt2",
+            lambda p: rewrite(base, p, add=[(f"{ROOT}/extra/notes.bin", pickle_bytes)]),
+            errors.ArchiveNotPickleFree,
+            "a pickle stream under another name",
+        ),
+        (
+            "constants-in-so.pt2",
+            lambda p: rewrite(base, p, replace={metadata: _metadata(base, package_constants_in_so=True)}),
+            errors.ArchiveNotWeightFree,
+            "metadata says constants are in the .so",
+        ),
+        (
+            "two-roots.pt2",
+            lambda p: rewrite(base, p, add=[("other/archive_format", b"pt2")]),
+            errors.ArchiveLayoutInvalid,
+            "two root folders",
+        ),
+        (
+            "unexpected-entry.pt2",
+            lambda p: rewrite(base, p, add=[(f"{ROOT}/data/mtia/blob", b"x")]),
+            errors.ArchiveLayoutInvalid,
+            "an entry outside the layout",
+        ),
+        (
+            "no-program.pt2",
+            lambda p: rewrite(base, p, drop=[program]),
+            errors.ArchiveLayoutInvalid,
+            "no serialized program",
+        ),
+        (
+            "unknown-version.pt2",
+            lambda p: rewrite(base, p, replace={f"{ROOT}/archive_version": b"99"}),
+            errors.ArchiveMalformed,
+            "archive_version 99",
+        ),
+        (
+            "no-metadata.pt2",
+            lambda p: rewrite(base, p, drop=[metadata]),
+            errors.MetadataMissing,
+            "no extra/metadata.json",
+        ),
+        (
+            "bad-metadata.pt2",
+            lambda p: rewrite(base, p, replace={metadata: _metadata(base, built_at="2024-01-01T00:00:00Z")}),
+            errors.MetadataInvalid,
+            "a wall clock in metadata",
+        ),
+        (
+            "retired-kind-metadata.pt2",
+            lambda p: rewrite(base, p, replace={metadata: _metadata(base, kind="torch-inductor-cache")}),
+            errors.KindRetired,
+            "metadata naming the retired kind",
+        ),
+        (
+            "sm-mismatch.pt2",
+            lambda p: rewrite(base, p, replace={metadata: _metadata(base, sm="sm_90")}),
+            errors.SmMismatch,
+            "metadata sm against a CPU build",
+        ),
+        (
+            "not-a-program.pt2",
+            lambda p: rewrite(base, p, replace={program: b'{"graph_module": {}}'}),
+            errors.ProgramInvalid,
+            "JSON that is not an ExportedProgram",
+        ),
     ]
     return [HostileCase(name, build(out / name), error, about) for name, build, error, about in cases]
 

@@ -214,10 +214,16 @@ def test_the_schema_links_chain_the_routes(fuzzed_store):
         for target in response.get("links", {}).values()
     }
     assert ("/v1/owners", "post", "configure_repo_v1_repos__owner___repo__put") in links
-    assert ("/v1/repos/{owner}/{repo}/uploads", "post",
-            "commit_upload_v1_repos__owner___repo__uploads__session_id__put") in links
-    assert ("/v1/repos/{owner}/{repo}/compiled-graphs/{key}", "put",
-            "get_record_v1_repos__owner___repo__compiled_graphs__key__get") in links
+    assert (
+        "/v1/repos/{owner}/{repo}/uploads",
+        "post",
+        "commit_upload_v1_repos__owner___repo__uploads__session_id__put",
+    ) in links
+    assert (
+        "/v1/repos/{owner}/{repo}/compiled-graphs/{key}",
+        "put",
+        "get_record_v1_repos__owner___repo__compiled_graphs__key__get",
+    ) in links
     assert ("/v1/tokens", "post", "revoke_token_v1_tokens__jti__delete") in links
 
 
@@ -225,8 +231,13 @@ def test_every_json_body_and_answer_is_documented(fuzzed_store):
     """Found by the fuzzer: these routes read a JSON body the schema did not declare (so no
     generated call ever sent one), and ``PUT`` of a repo answered an undocumented 201."""
     paths = schemathesis.openapi.from_url(f"{fuzzed_store.base_url}/openapi.json").raw_schema["paths"]
-    for path, method in [("/v1/owners", "post"), ("/v1/repos/{owner}/{repo}", "put"), ("/v1/tokens", "post"),
-                         ("/v1/tokens/attenuate", "post"), ("/v1/repos/{owner}/{repo}/blobs:missing", "post")]:
+    for path, method in [
+        ("/v1/owners", "post"),
+        ("/v1/repos/{owner}/{repo}", "put"),
+        ("/v1/tokens", "post"),
+        ("/v1/tokens/attenuate", "post"),
+        ("/v1/repos/{owner}/{repo}/blobs:missing", "post"),
+    ]:
         assert paths[path][method]["requestBody"]["required"] is True, (method, path)
     assert {"200", "201"} <= set(paths["/v1/repos/{owner}/{repo}"]["put"]["responses"])
 

@@ -88,7 +88,9 @@ def test_an_outside_path_is_found_and_an_inside_one_is_not():
     page = REPO_ROOT / "docs" / "api.md"
     sibling, work = "../" * 2 + "shared/design/PROTOCOL.md", "/" + "work/shared"  # not literal: this file is scanned
     assert outside_paths(page, f"see [it]({sibling}) and ``{work}/x``") == [
-        f"docs/api.md: {sibling}", f"docs/api.md: {work}"]
+        f"docs/api.md: {sibling}",
+        f"docs/api.md: {work}",
+    ]
     assert outside_paths(page, "[client](client.md), ../README.md, tests/vectors/ck1.json") == []
 
 
@@ -101,13 +103,18 @@ def test_the_readme_is_an_entry_page_linking_every_reader_page():
 
 def test_the_readme_says_how_to_get_the_worker_side_and_what_make_test_needs():
     """``make install-worker`` pins the CPU torch (never PyPI's CUDA build); the README says what ``make test`` needs."""
-    dry = subprocess.run(["make", "-n", "install-worker", "VENV=/nonexistent/venv"], cwd=REPO_ROOT,
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    dry = subprocess.run(
+        ["make", "-n", "install-worker", "VENV=/nonexistent/venv"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     torch_installs = [line for line in dry if "torch" in line and "pip install" in line]
     assert any("--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in line for line in torch_installs)
     assert all("--index-url" in line or "client[torch]" in line for line in torch_installs)
     readme = (REPO_ROOT / "README.md").read_text()
     assert "make install-worker" in readme
-    tests = readme[readme.index("## Tests"):readme.index("## Walk-through")]
+    tests = readme[readme.index("## Tests") : readme.index("## Walk-through")]
     for needed in ("PostgreSQL", "root", "torch==2.13.0", "17 minutes"):
         assert needed in tests, needed

@@ -31,6 +31,7 @@ def registry(request, make_registry) -> LiveStore:
 
 # -- seeding ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Seeded:
     digest: str
@@ -76,17 +77,26 @@ def stored_digests(live: LiveStore) -> set[str]:
 
 def make_repo(live: LiveStore) -> int:
     with live.context.db.session() as session:
-        session.execute(insert(Repo).values(owner="gc", name=unique_repo(), visibility="owner", created_by="t", created_at=OLD))
+        session.execute(
+            insert(Repo).values(owner="gc", name=unique_repo(), visibility="owner", created_by="t", created_at=OLD)
+        )
         return session.scalar(select(func.max(Repo.id)))
 
 
-def seed_rows(live: LiveStore, blobs: list[Seeded], linked_at: dt.datetime, repo_id: int | None = None,
-              link_created_at: dt.datetime | None = None) -> None:
+def seed_rows(
+    live: LiveStore,
+    blobs: list[Seeded],
+    linked_at: dt.datetime,
+    repo_id: int | None = None,
+    link_created_at: dt.datetime | None = None,
+) -> None:
     rows = [{"digest": b.digest, "size": len(b.data), "created_at": OLD, "linked_at": linked_at} for b in blobs]
     with live.context.db.session() as session:
         session.execute(insert(Blob), rows)
         if repo_id is not None:
-            links = [{"repo_id": repo_id, "digest": b.digest, "linked_by": "t", "created_at": link_created_at} for b in blobs]
+            links = [
+                {"repo_id": repo_id, "digest": b.digest, "linked_by": "t", "created_at": link_created_at} for b in blobs
+            ]
             session.execute(insert(RepoBlob), links)
 
 
@@ -101,11 +111,28 @@ def seed_records(live: LiveStore, repo_id: int, artifacts: list[str], yanked_at:
 
     rows = [
         {
-            "repo_id": repo_id, "key": f"ck1-{digest[7:63]}", "kind": "aot-inductor", "format": "pt2",
-            "family": "f", "lane": "a+b", "sm": "sm_90", "graph_digest": digest, "envelope": {},
-            "envelope_digest": digest, "toolchain": {}, "toolchain_digest": digest, "recorded_versions": {},
-            "artifact_digest": digest, "artifact_size": 1, "component_set": digest, "input_contract": {},
-            "binding_table": [], "publisher": "t", "created_at": OLD, "yanked_at": yanked_at, "health": "ok",
+            "repo_id": repo_id,
+            "key": f"ck1-{digest[7:63]}",
+            "kind": "aot-inductor",
+            "format": "pt2",
+            "family": "f",
+            "lane": "a+b",
+            "sm": "sm_90",
+            "graph_digest": digest,
+            "envelope": {},
+            "envelope_digest": digest,
+            "toolchain": {},
+            "toolchain_digest": digest,
+            "recorded_versions": {},
+            "artifact_digest": digest,
+            "artifact_size": 1,
+            "component_set": digest,
+            "input_contract": {},
+            "binding_table": [],
+            "publisher": "t",
+            "created_at": OLD,
+            "yanked_at": yanked_at,
+            "health": "ok",
         }
         for digest in artifacts
     ]

@@ -54,16 +54,26 @@ def scene(store, pt2_archive, pt2_report):
     families = [f"fam-{uuid.uuid4().hex[:8]}", f"fam-{uuid.uuid4().hex[:8]}"]
     token = store.mint(publisher, f"acme/{name}:read,write")
     pubs = [
-        publication(pt2_archive, pt2_report, components={"consts": _component()}, family=family,
-                    envelope={"shapes": [[32, 32]], "text_len": 77, "guidance": [f"{i}.5"]})
+        publication(
+            pt2_archive,
+            pt2_report,
+            components={"consts": _component()},
+            family=family,
+            envelope={"shapes": [[32, 32]], "text_len": 77, "guidance": [f"{i}.5"]},
+        )
         for i, family in enumerate([families[0], families[0], families[1]])
     ]
     with store.client(token) as client:
         for pub in pubs:
             assert publish(client, "acme", name, pub).status_code == 201
         # The same key with other components: a write-once conflict.
-        rival = publication(pt2_archive, pt2_report, components={"consts": _component()}, family=families[0],
-                            envelope={"shapes": [[32, 32]], "text_len": 77, "guidance": ["0.5"]})
+        rival = publication(
+            pt2_archive,
+            pt2_report,
+            components={"consts": _component()},
+            family=families[0],
+            envelope={"shapes": [[32, 32]], "text_len": 77, "guidance": ["0.5"]},
+        )
         assert rival.key == pubs[0].key
         assert publish(client, "acme", name, rival).status_code == 409
     outsider = store.mint(f"outsider-{uuid.uuid4().hex[:6]}", f"acme/{unique_repo('other')}:read,write")
@@ -72,8 +82,14 @@ def scene(store, pt2_archive, pt2_report):
     delete_object(store, pubs[2].components["consts"].digest)
     assert [f.health for f in scrub(store.context, repo=f"acme/{name}").damaged] == ["missing"]
     store.context.denials.flush()
-    return {"before": before, "repo": f"acme/{name}", "publisher": publisher, "families": families,
-            "pubs": pubs, "rival": rival}
+    return {
+        "before": before,
+        "repo": f"acme/{name}",
+        "publisher": publisher,
+        "families": families,
+        "pubs": pubs,
+        "rival": rival,
+    }
 
 
 def test_stats_endpoint_counts_records_bytes_publishers_conflicts_denials_and_unhealthy(store, scene):
@@ -117,8 +133,13 @@ def test_yanked_records_leave_every_live_count(store, scene, pt2_archive, pt2_re
     """Yanked records are history: not in the counts, the publishers, the bytes nor ``unhealthy``."""
     pubs, sm, lane = scene["pubs"], scene["pubs"][0].manifest["axes"]["sm"], scene["pubs"][0].manifest["lane"]
     owner, name = scene["repo"].split("/")
-    solo = publication(_unique_archive(pt2_archive, tmp_path), pt2_report, components={"consts": _component()},
-                       family=f"fam-{uuid.uuid4().hex[:8]}", envelope={"shapes": [[32, 32]], "text_len": 77})
+    solo = publication(
+        _unique_archive(pt2_archive, tmp_path),
+        pt2_report,
+        components={"consts": _component()},
+        family=f"fam-{uuid.uuid4().hex[:8]}",
+        envelope={"shapes": [[32, 32]], "text_len": 77},
+    )
     with store.client(store.mint(scene["publisher"], f"{scene['repo']}:read,write")) as client:
         assert publish(client, owner, name, solo).status_code == 201
     before = _stats(store)
@@ -180,8 +201,13 @@ def test_cli_ls_filters_by_family_and_sm(store, scene):
 
 def test_cli_ls_marks_a_private_caches_records(store, pt2_archive, pt2_report):
     name, family = unique_repo("ls-private"), f"fam-{uuid.uuid4().hex[:8]}"
-    pub = publication(pt2_archive, pt2_report, components={"consts": _component()}, family=family,
-                      envelope={"shapes": [[32, 32]], "text_len": 77})
+    pub = publication(
+        pt2_archive,
+        pt2_report,
+        components={"consts": _component()},
+        family=family,
+        envelope={"shapes": [[32, 32]], "text_len": 77},
+    )
     with store.client(store.mint("carol", f"acme/{name}:read,write,admin")) as client:
         assert client.put(f"/v1/repos/acme/{name}", json={"visibility": "principal"}).status_code == 201
         assert publish(client, "acme", name, pub).status_code == 201
@@ -195,13 +221,25 @@ def test_cli_ls_marks_a_private_caches_records(store, pt2_archive, pt2_report):
 def test_cli_ls_piped_prints_plain_columns_never_folded(store, scene):
     """``cgstore ls | …`` (stdout not a terminal) on a narrow terminal: one row per line, tab-separated, whole keys."""
     pubs = scene["pubs"]
-    env = {"CGSTORE_HOME": str(store.settings.home), "CGSTORE_DATABASE_URL": store.settings.resolved_database_url,
-           "COLUMNS": "40"}
+    env = {
+        "CGSTORE_HOME": str(store.settings.home),
+        "CGSTORE_DATABASE_URL": store.settings.resolved_database_url,
+        "COLUMNS": "40",
+    }
     listed = CliRunner().invoke(app, ["ls", "--family", scene["families"][0]], env=env)
     assert listed.exit_code == 0, listed.output
     header, *rows = listed.output.splitlines()
-    assert header.split("\t") == ["repo", "key", "family", "sm", "lane", "health", "drift", "publisher",
-                                   "created (UTC)"]
+    assert header.split("\t") == [
+        "repo",
+        "key",
+        "family",
+        "sm",
+        "lane",
+        "health",
+        "drift",
+        "publisher",
+        "created (UTC)",
+    ]
     assert [row.split("\t")[1] for row in rows] == [pubs[1].key, pubs[0].key]
     assert all(len(row.split("\t")) == 9 for row in rows)
     stats = CliRunner().invoke(app, ["stats"], env=env).output.splitlines()

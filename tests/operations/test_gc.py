@@ -44,14 +44,15 @@ from tests.support.live_store import running_store, unique_repo
 
 # -- 10k blobs, a third orphaned -------------------------------------------------------------
 
+
 def test_exactly_the_orphans_are_reclaimed_in_batches_after_a_matching_dry_run(registry):
     live = registry
     repo_id = make_repo(live)
     blobs = make_blobs(10_000, "gc")
-    recently_linked = blobs[1::6]           # kept: linked within the grace
+    recently_linked = blobs[1::6]  # kept: linked within the grace
     young_link = blobs[2::6] + blobs[4::6]  # kept: linked long ago, but a repo link is young
-    in_records = blobs[5::6]                # kept: linked long ago, named by a live record
-    orphans = blobs[0::3]                   # 3334: nothing keeps them
+    in_records = blobs[5::6]  # kept: linked long ago, named by a live record
+    orphans = blobs[0::3]  # 3334: nothing keeps them
     linked_orphans, bare_orphans = orphans[::2], orphans[1::2]
     seed_rows(live, recently_linked, RECENT)
     seed_rows(live, young_link, OLD, repo_id, link_created_at=RECENT)
@@ -88,6 +89,7 @@ def test_exactly_the_orphans_are_reclaimed_in_batches_after_a_matching_dry_run(r
 
 
 # -- resuming, visibility, the lease ---------------------------------------------------------
+
 
 def test_a_run_that_died_after_condemning_is_finished_by_the_next(registry):
     live = registry
@@ -162,7 +164,9 @@ def test_expired_sessions_are_listed_by_the_dry_run_and_reaped(registry):
         assert session.get(UploadSession, session_id) is None
     if live.is_s3:
         storage = live.context.storage
-        assert storage.client.list_objects_v2(Bucket=storage.bucket, Prefix=storage.key("uploads/")).get("KeyCount") == 0
+        assert (
+            storage.client.list_objects_v2(Bucket=storage.bucket, Prefix=storage.key("uploads/")).get("KeyCount") == 0
+        )
 
 
 def _staged_session_ids(live) -> set[str]:
@@ -243,6 +247,7 @@ def test_cli_gc_refuses_while_another_instance_holds_the_lease(registry, monkeyp
 
 
 # -- publish racing GC, interleaved deterministically -------------------------------------------
+
 
 @pytest.fixture
 def old_orphan(registry) -> str:

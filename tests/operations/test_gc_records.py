@@ -27,15 +27,33 @@ from tests.support.archives import archive_report
 from tests.support.live_store import unique_repo
 
 
-def seed_record(live, repo_id: int, key: str, artifact: str, components: dict[str, str],
-                yanked_at: dt.datetime | None) -> int:
+def seed_record(
+    live, repo_id: int, key: str, artifact: str, components: dict[str, str], yanked_at: dt.datetime | None
+) -> int:
     """A record row as publish writes it (the columns GC looks at are the real ones)."""
     values = {
-        "repo_id": repo_id, "key": key, "kind": "aot-inductor", "format": "pt2", "family": "f", "lane": "a+b",
-        "sm": "sm_90", "graph_digest": artifact, "envelope": {}, "envelope_digest": artifact, "toolchain": {},
-        "toolchain_digest": artifact, "recorded_versions": {}, "artifact_digest": artifact, "artifact_size": 1,
-        "component_set": artifact, "input_contract": {}, "binding_table": [], "publisher": "t",
-        "created_at": OLD, "yanked_at": yanked_at, "health": "ok",
+        "repo_id": repo_id,
+        "key": key,
+        "kind": "aot-inductor",
+        "format": "pt2",
+        "family": "f",
+        "lane": "a+b",
+        "sm": "sm_90",
+        "graph_digest": artifact,
+        "envelope": {},
+        "envelope_digest": artifact,
+        "toolchain": {},
+        "toolchain_digest": artifact,
+        "recorded_versions": {},
+        "artifact_digest": artifact,
+        "artifact_size": 1,
+        "component_set": artifact,
+        "input_contract": {},
+        "binding_table": [],
+        "publisher": "t",
+        "created_at": OLD,
+        "yanked_at": yanked_at,
+        "health": "ok",
     }
     with live.context.db.session() as session:
         record_id = session.execute(insert(CompiledGraph).values(**values).returning(CompiledGraph.id)).scalar()
@@ -56,7 +74,9 @@ def test_live_and_recently_yanked_records_keep_their_blobs_long_yanked_ones_go_w
     everything = [live_art, live_comp, recent_art, recent_comp, old_art, old_comp, shared]
     seed_rows(live, everything, OLD)  # no young link keeps any of them: only records do
     write_objects(live, everything)
-    kept_live = seed_record(live, repo_id, "ck1-live", live_art.digest, {"c": live_comp.digest, "s": shared.digest}, None)
+    kept_live = seed_record(
+        live, repo_id, "ck1-live", live_art.digest, {"c": live_comp.digest, "s": shared.digest}, None
+    )
     kept_recent = seed_record(live, repo_id, "ck1-recent", recent_art.digest, {"c": recent_comp.digest}, RECENT)
     seed_record(live, repo_id, "ck1-old", old_art.digest, {"c": old_comp.digest, "s": shared.digest}, OLD)
 
@@ -69,6 +89,7 @@ def test_live_and_recently_yanked_records_keep_their_blobs_long_yanked_ones_go_w
 
 
 # -- a real publish racing GC -------------------------------------------------------------------
+
 
 @pytest.fixture
 def uploaded(registry, pt2_archive):

@@ -102,6 +102,7 @@ def test_racing_takeovers_of_an_expired_lease_get_exactly_one(db):
 
 # -- two store processes and a SIGKILL -----------------------------------------------------
 
+
 def reaper_holder(db: Database) -> str | None:
     with db.session() as session:
         row = session.get(Lease, leases.UPLOAD_REAPER)

@@ -56,14 +56,20 @@ class World:
 
     def health(self) -> list[str]:
         with self.store.context.db.session() as session:
-            by_key = dict(session.execute(select(CompiledGraph.key, CompiledGraph.health).where(
-                CompiledGraph.key.in_([p.key for p in self.pubs]), CompiledGraph.yanked_at.is_(None))).all())
+            by_key = dict(
+                session.execute(
+                    select(CompiledGraph.key, CompiledGraph.health).where(
+                        CompiledGraph.key.in_([p.key for p in self.pubs]), CompiledGraph.yanked_at.is_(None)
+                    )
+                ).all()
+            )
         return [by_key[p.key] for p in self.pubs]
 
     def resolved(self) -> list[bool]:
         with self.store.client(self.token) as client:
-            answer = client.post("/v1/compiled-graphs:resolve",
-                                 json={"family": FAMILY, "keys": [p.key for p in self.pubs]})
+            answer = client.post(
+                "/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": [p.key for p in self.pubs]}
+            )
         assert answer.status_code == 200, answer.text
         return [item["status"] == "hit" for item in answer.json()["answers"]]
 
@@ -76,8 +82,14 @@ def world(store, pt2_archive, pt2_report) -> World:
     for i in range(3):
         # A nonce in the safetensors metadata: a component digest no other test shares.
         component = safetensors_bytes(CONSTANTS_A, metadata={"nonce": uuid.uuid4().hex})
-        pubs.append(publication(pt2_archive, pt2_report, components={"consts": component},
-                                envelope={"shapes": [[64, 64]], "text_len": 77, "guidance": [f"{i}.25"]}))
+        pubs.append(
+            publication(
+                pt2_archive,
+                pt2_report,
+                components={"consts": component},
+                envelope={"shapes": [[64, 64]], "text_len": 77, "guidance": [f"{i}.25"]},
+            )
+        )
     with store.client(token) as client:
         for pub in pubs:
             assert publish(client, "acme", name, pub).status_code == 201
@@ -115,21 +127,30 @@ def test_scrub_names_a_flipped_and_a_deleted_blob_and_resolve_stops_returning_th
     assert world.health() == ["blob_corrupt", "blob_missing", "ok"]
     assert world.resolved() == [False, False, True]
     with store.context.db.session() as session:
-        entries = {e.target: e.detail for e in session.scalars(
-            select(AuditEvent).where(AuditEvent.action == "blob.damaged",
-                                     AuditEvent.target.in_([corrupt.digest, missing.digest])))}
+        entries = {
+            e.target: e.detail
+            for e in session.scalars(
+                select(AuditEvent).where(
+                    AuditEvent.action == "blob.damaged", AuditEvent.target.in_([corrupt.digest, missing.digest])
+                )
+            )
+        }
     assert entries[corrupt.digest]["health"] == "corrupt" and entries[corrupt.digest]["records_changed"] == 1
     assert entries[missing.digest]["health"] == "missing"
     # A damaged blob counts as not held: the pre-upload check asks for it again.
     with store.client(world.token) as client:
-        asked = client.post(f"/v1/repos/{world.repo}/blobs:missing",
-                            json={"digests": [corrupt.digest, missing.digest, world.component(2).digest]})
+        asked = client.post(
+            f"/v1/repos/{world.repo}/blobs:missing",
+            json={"digests": [corrupt.digest, missing.digest, world.component(2).digest]},
+        )
     assert sorted(asked.json()["missing"]) == sorted([corrupt.digest, missing.digest])
 
     # A second pass finds the same damage again (still exit 1) but changes nothing more.
     again = scrub(store.context, repo=world.repo)
     assert {(f.digest, f.health, f.records_changed) for f in again.damaged} == {
-        (corrupt.digest, "corrupt", 0), (missing.digest, "missing", 0)}
+        (corrupt.digest, "corrupt", 0),
+        (missing.digest, "missing", 0),
+    }
 
     # Re-uploading the intact bytes heals the blobs and the records.
     with store.client(world.token) as client:
@@ -167,8 +188,15 @@ def test_a_record_stays_out_while_any_of_its_blobs_is_damaged(world, pt2_archive
     shared = safetensors_bytes(CONSTANTS_A, metadata={"nonce": uuid.uuid4().hex})
     name = world.repo.split("/")[1]
     # Two records sharing one component: damaging it takes both out.
-    pubs = [publication(pt2_archive, pt2_report, components={"consts": shared},
-                        envelope={"shapes": [[8, 8]], "text_len": 77, "guidance": [f"{i}.75"]}) for i in range(2)]
+    pubs = [
+        publication(
+            pt2_archive,
+            pt2_report,
+            components={"consts": shared},
+            envelope={"shapes": [[8, 8]], "text_len": 77, "guidance": [f"{i}.75"]},
+        )
+        for i in range(2)
+    ]
     with store.client(world.token) as client:
         for pub in pubs:
             assert publish(client, "acme", name, pub).status_code == 201
@@ -287,8 +315,12 @@ def test_a_damaged_blob_is_not_held_until_sent_again_through_a_session(world, pt
     damaged = world.component(0)
     flip_byte(store, damaged.digest, damaged.data, at=0)
     assert [f.digest for f in scrub(store.context, repo=world.repo).damaged] == [damaged.digest]
-    again = publication(pt2_archive, pt2_report, components={"consts": damaged.data},
-                        envelope={"shapes": [[16, 16]], "text_len": 77, "guidance": ["9.5"]})
+    again = publication(
+        pt2_archive,
+        pt2_report,
+        components={"consts": damaged.data},
+        envelope={"shapes": [[16, 16]], "text_len": 77, "guidance": ["9.5"]},
+    )
     with store.client(world.token) as client:
         refused = client.put(again.path(owner, name), json=again.manifest)
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "BLOB_UNKNOWN"
@@ -307,8 +339,9 @@ def test_a_damaged_blob_is_not_held_until_sent_again_through_a_session(world, pt
         assert client.put(again.path(owner, name), json=again.manifest).status_code == 201
     assert world.health() == ["ok", "ok", "ok"]
     with store.context.db.session() as session:
-        healed = session.scalar(select(AuditEvent).where(AuditEvent.action == "blob.healed",
-                                                         AuditEvent.target == damaged.digest))
+        healed = session.scalar(
+            select(AuditEvent).where(AuditEvent.action == "blob.healed", AuditEvent.target == damaged.digest)
+        )
     assert healed.actor == "scrubbed-minter" and healed.detail["was"] == "corrupt"
     assert scrub(store.context, repo=world.repo).damaged == []
 

@@ -29,8 +29,14 @@ def store_key(store):
 def payload(store, **over) -> dict:
     now = int(time.time())
     claims = {
-        "iss": store.settings.token_issuer, "aud": "cgstore", "sub": "mallory", "iat": now, "exp": now + 600,
-        "jti": uuid.uuid4().hex, "plt": False, "grants": [{"repo": "*/*", "actions": ["read", "write"]}],
+        "iss": store.settings.token_issuer,
+        "aud": "cgstore",
+        "sub": "mallory",
+        "iat": now,
+        "exp": now + 600,
+        "jti": uuid.uuid4().hex,
+        "plt": False,
+        "grants": [{"repo": "*/*", "actions": ["read", "write"]}],
     }
     claims.update(over)
     return claims

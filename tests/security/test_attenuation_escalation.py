@@ -145,9 +145,7 @@ OWNERS = ("acme", "team-a", "team-b", "victim", "root")
 REPOS = ("models", "m1", "x")
 owner_patterns = st.sampled_from(OWNERS + ("*", "team-*", "t*", "?cme"))
 repo_patterns = st.sampled_from(REPOS + ("*", "m*"))
-grants = st.builds(
-    Grant, owner_patterns, repo_patterns, st.frozensets(st.sampled_from(sorted(ACTIONS)), min_size=1)
-)
+grants = st.builds(Grant, owner_patterns, repo_patterns, st.frozensets(st.sampled_from(sorted(ACTIONS)), min_size=1))
 grant_sets = st.lists(grants, min_size=1, max_size=4).map(tuple)
 holders = st.fixed_dictionaries({o: st.sampled_from((None, SUB, "victim-tenant")) for o in OWNERS[:-1]})
 
@@ -164,7 +162,8 @@ def _allowed(claims: Claims, owner: str, repo: str, holder: str | None) -> set[s
         "preflight": access.preflight(
             claims,
             access.can_write(claims, owner, repo, platform_principal=True, holder=holder),
-            now=0, min_ttl_s=60,
+            now=0,
+            min_ttl_s=60,
         ),
         ADMIN: access.can_manage_repo(claims, owner, repo, platform_principal=True, holder=holder),
         "store-admin": access.is_admin(claims),

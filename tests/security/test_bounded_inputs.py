@@ -186,8 +186,11 @@ def test_audit_cursor_past_int64_is_refused(store, order):
 
 @pytest.mark.parametrize(
     "params",
-    [{"since": "9999-12-31T23:59:59-14:00"}, {"until": "0001-01-01T00:00:00+14:00"},
-     {"since": "0001-01-01T00:00:00+14:00", "until": "9999-12-31T23:59:59-14:00"}],
+    [
+        {"since": "9999-12-31T23:59:59-14:00"},
+        {"until": "0001-01-01T00:00:00+14:00"},
+        {"since": "0001-01-01T00:00:00+14:00", "until": "9999-12-31T23:59:59-14:00"},
+    ],
     ids=["since-after-max", "until-before-min", "both"],
 )
 def test_audit_times_without_a_utc_spelling_are_refused(store, params):

@@ -88,7 +88,9 @@ def test_expiry_is_judged_with_the_clock_skew_leeway(store, target):
     def minted_expired(ago_s: int) -> str:
         ttl_s = 60
         past = TokenService(
-            store.context.db, store.settings, ring=store.context.tokens.ring,
+            store.context.db,
+            store.settings,
+            ring=store.context.tokens.ring,
             clock=lambda: time.time() - ttl_s - ago_s,
         )
         return past.mint("victim", [f"acme/{target['name']}:read"], ttl_s).token
@@ -121,7 +123,8 @@ def test_child_of_a_revoked_parent(store, target):
     parent = store.context.tokens.mint("job", [f"acme/{target['name']}:read"], 3600)
     with store.client(parent.token) as client:
         answer = client.post(
-            "/v1/tokens/attenuate", json={"grants": [{"repo": f"acme/{target['name']}", "actions": ["read"]}], "ttl_s": 60}
+            "/v1/tokens/attenuate",
+            json={"grants": [{"repo": f"acme/{target['name']}", "actions": ["read"]}], "ttl_s": 60},
         )
     assert answer.status_code == 201
     child = answer.json()

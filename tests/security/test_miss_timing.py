@@ -113,10 +113,18 @@ def reads(cache) -> dict[str, tuple[str, str, str, str]]:
     blobs = f"/v1/repos/acme/{name}/blobs"
     records = f"/v1/repos/acme/{name}/compiled-graphs"
     return {
-        "record get": ("GET", pub.path("acme", name), f"{records}/{other_key(pub.key, -1)}",
-                       f"{records}/{other_key(pub.key, -2)}"),
-        "blob head": ("HEAD", f"{blobs}/{pub.artifact.digest}", f"{blobs}/{absent_digest()}",
-                      f"{blobs}/{absent_digest()}"),
+        "record get": (
+            "GET",
+            pub.path("acme", name),
+            f"{records}/{other_key(pub.key, -1)}",
+            f"{records}/{other_key(pub.key, -2)}",
+        ),
+        "blob head": (
+            "HEAD",
+            f"{blobs}/{pub.artifact.digest}",
+            f"{blobs}/{absent_digest()}",
+            f"{blobs}/{absent_digest()}",
+        ),
     }
 
 
@@ -127,7 +135,9 @@ def test_a_hidden_miss_takes_as_long_as_an_absent_one(store, cache, what):
     with store.client(cache["bob"]) as client:
         control = slower_fraction(client, method, other_absent, absent)
         leak = slower_fraction(client, method, hidden, absent)
-    print(f"{store.configuration} {what}: hidden slower in {leak:.0%} of pairs (control {control:.0%}) in {time.monotonic() - started:.1f} s")
+    print(
+        f"{store.configuration} {what}: hidden slower in {leak:.0%} of pairs (control {control:.0%}) in {time.monotonic() - started:.1f} s"
+    )
     assert FAIR[0] <= control <= FAIR[1], f"the measurement itself is unfair: control {control:.0%}"
     assert FAIR[0] <= leak <= FAIR[1], f"a hidden {what} answered slower than an absent one in {leak:.0%} of pairs"
     # Off the request path, still every one: a row per hidden read (the test flushes the log).
@@ -151,8 +161,12 @@ def searched_cache(store, pt2_archive):
     manager = store.mint("ops", f"acme/{name}:admin")
     with store.client(manager) as client:
         assert client.put(f"/v1/repos/acme/{name}", json={"visibility": "principal"}).status_code == 201
-    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)},
-                      envelope=unique_envelope())
+    pub = publication(
+        pt2_archive,
+        archive_report(pt2_archive),
+        components={"consts": safetensors_bytes(CONSTANTS_A)},
+        envelope=unique_envelope(),
+    )
     with store.client(store.mint("alice", f"acme/{name}:read,write")) as client:
         assert publish(client, "acme", name, pub).status_code == 201
     return {"name": name, "pub": pub, "bob": store.mint("bob", f"acme/{name}:read")}
@@ -177,10 +191,16 @@ def searches(cache) -> dict[str, tuple[dict, dict, dict]]:
     Each pair answers the same bytes (``{"candidates":[]}``; a miss of a key of one length)."""
     pub = cache["pub"]
     return {
-        "discover": (declaration(pub), declaration(pub, envelope=unique_envelope()),
-                     declaration(pub, envelope=unique_envelope())),
-        "resolve": ({"family": FAMILY, "keys": [pub.key]}, {"family": FAMILY, "keys": [other_key(pub.key, -1)]},
-                    {"family": FAMILY, "keys": [other_key(pub.key, -2)]}),
+        "discover": (
+            declaration(pub),
+            declaration(pub, envelope=unique_envelope()),
+            declaration(pub, envelope=unique_envelope()),
+        ),
+        "resolve": (
+            {"family": FAMILY, "keys": [pub.key]},
+            {"family": FAMILY, "keys": [other_key(pub.key, -1)]},
+            {"family": FAMILY, "keys": [other_key(pub.key, -2)]},
+        ),
     }
 
 
@@ -194,14 +214,18 @@ def test_records_a_caller_cannot_see_do_not_slow_its_search(store, searched_cach
     path = f"/v1/compiled-graphs:{what}"
     started = time.monotonic()
     with store.client(searched_cache["bob"]) as client:
+
         def send(body: dict) -> Callable[[], float]:
             return lambda: elapsed(client, "POST", path, status=200, body=body)
 
         assert client.post(path, json=hidden_body).content == client.post(path, json=absent).content.replace(
-            absent.get("keys", [""])[0].encode(), hidden_body.get("keys", [""])[0].encode())
+            absent.get("keys", [""])[0].encode(), hidden_body.get("keys", [""])[0].encode()
+        )
         control = slower_fraction_of(send(other_absent), send(absent))
         leak = slower_fraction_of(send(hidden_body), send(absent))
-    print(f"{store.configuration} {what} with {hidden} hidden: slower in {leak:.0%} of pairs (control {control:.0%}) "
-          f"in {time.monotonic() - started:.1f} s")
+    print(
+        f"{store.configuration} {what} with {hidden} hidden: slower in {leak:.0%} of pairs (control {control:.0%}) "
+        f"in {time.monotonic() - started:.1f} s"
+    )
     assert FAIR[0] <= control <= FAIR[1], f"the measurement itself is unfair: control {control:.0%}"
     assert FAIR[0] <= leak <= FAIR[1], f"{what} with {hidden} hidden records was slower in {leak:.0%} of pairs"

@@ -26,8 +26,9 @@ def repos(store, pt2_archive):
     report, consts = archive_report(pt2_archive), safetensors_bytes(CONSTANTS_A)
     with store.client(bob) as client:
         for width in (8, 16):
-            pub = publication(pt2_archive, report, components={"consts": consts},
-                              envelope={"shapes": [[width, 8]], "text_len": 0})
+            pub = publication(
+                pt2_archive, report, components={"consts": consts}, envelope={"shapes": [[width, 8]], "text_len": 0}
+            )
             assert publish(client, "acme", paged, pub).status_code == 201
         assert publish(client, "acme", other, pub).status_code == 201
     return {"bob": bob, "paged": paged, "other": other}
@@ -54,7 +55,13 @@ def test_a_cursor_from_another_repo_or_altered_is_refused(store, repos):
     with store.client(repos["bob"]) as client:
         cursor = listing(client, repos["paged"]).json()["next_cursor"]
         flipped = cursor[:10] + ("A" if cursor[10] != "A" else "B") + cursor[11:]
-        for name, bad in ((repos["other"], cursor), (repos["paged"], flipped), (repos["paged"], cursor[:-1]),
-                          (repos["paged"], cursor + "A"), (repos["paged"], "1"), (repos["paged"], "é" * 48)):
+        for name, bad in (
+            (repos["other"], cursor),
+            (repos["paged"], flipped),
+            (repos["paged"], cursor[:-1]),
+            (repos["paged"], cursor + "A"),
+            (repos["paged"], "1"),
+            (repos["paged"], "é" * 48),
+        ):
             answer = listing(client, name, cursor=bad)
             assert answer.status_code == 400 and code(answer) == "BAD_REQUEST", (name, bad, answer.text)

@@ -40,7 +40,9 @@ def cache(store, pt2_archive):
         assert client.put(f"/v1/repos/acme/{name}", json={"visibility": "principal"}).status_code == 201
     pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)})
     return {
-        "name": name, "pub": pub, "manager": manager,
+        "name": name,
+        "pub": pub,
+        "manager": manager,
         "alice": store.mint("alice", f"acme/{name}:read,write"),
         "bob": store.mint("bob", f"acme/{name}:read,write"),
         "carol": store.mint("carol", f"acme/{name}:read"),

@@ -31,8 +31,12 @@ def _published(live, archive):
     """A record in a fresh repo, and a read token for it: (repo, token, publication)."""
     name = unique_repo("public-url")
     token = live.mint("public-url", f"acme/{name}:read,write")
-    pub = publication(archive, archive_report(archive), components={"consts": safetensors_bytes(CONSTANTS_A)},
-                      envelope=unique_envelope())
+    pub = publication(
+        archive,
+        archive_report(archive),
+        components={"consts": safetensors_bytes(CONSTANTS_A)},
+        envelope=unique_envelope(),
+    )
     with live.client(token) as client:
         assert publish(client, "acme", name, pub).status_code == 201
     return f"acme/{name}", token, pub
@@ -41,10 +45,16 @@ def _published(live, archive):
 def _blob_urls(live, token: str, pub) -> list[str]:
     """The artifact and component URLs of ``pub`` in a resolve and a discover answer, asked with a foreign Host."""
     axes = pub.manifest["axes"]
-    declaration = {"family": pub.manifest["family"], "envelope": axes["envelope"], "sm": axes["sm"],
-                   "toolchain": axes["toolchain"]}
+    declaration = {
+        "family": pub.manifest["family"],
+        "envelope": axes["envelope"],
+        "sm": axes["sm"],
+        "toolchain": axes["toolchain"],
+    }
     with _evil_client(live, token) as client:
-        resolved = client.post("/v1/compiled-graphs:resolve", json={"family": pub.manifest["family"], "keys": [pub.key]})
+        resolved = client.post(
+            "/v1/compiled-graphs:resolve", json={"family": pub.manifest["family"], "keys": [pub.key]}
+        )
         discovered = client.post("/v1/compiled-graphs:discover", json=declaration)
     assert resolved.status_code == 200 and discovered.status_code == 200, (resolved.text, discovered.text)
     (hit,) = resolved.json()["answers"]
@@ -63,15 +73,25 @@ def _redirects(live, admin: str) -> dict[str, str]:
             "signed out": client.post("/console/logout"),
         }
     assert {what: a.status_code for what, a in answers.items()} == {
-        "slash": 307, "api slash": 307, "sign-in needed": 303, "signed in": 303, "signed out": 303}
+        "slash": 307,
+        "api slash": 307,
+        "sign-in needed": 303,
+        "signed in": 303,
+        "signed out": 303,
+    }
     return {what: answer.headers["location"] for what, answer in answers.items()}
 
 
 def test_without_a_public_url_redirects_and_blob_urls_are_paths(store, pt2_archive):
     assert store.settings.public_url is None
     locations = _redirects(store, store.mint("public-url-admin", "*/*:admin"))
-    assert locations == {"slash": "/console/login", "api slash": "/v1/capabilities",
-                         "sign-in needed": "/console/login", "signed in": "/console", "signed out": "/console/login"}
+    assert locations == {
+        "slash": "/console/login",
+        "api slash": "/v1/capabilities",
+        "sign-in needed": "/console/login",
+        "signed in": "/console",
+        "signed out": "/console/login",
+    }
     repo, token, pub = _published(store, pt2_archive)
     urls = _blob_urls(store, token, pub)
     assert not any("evil.example" in url for url in urls)
@@ -93,9 +113,13 @@ def test_with_a_public_url_redirects_and_blob_urls_are_under_it(make_store, pt2_
     live = make_store(configuration, public_url=PUBLIC_URL + "/", redirect_downloads=False)
     assert live.settings.public_url == PUBLIC_URL  # kept without its trailing slash
     locations = _redirects(live, live.mint("public-url-admin", "*/*:admin"))
-    assert locations == {"slash": f"{PUBLIC_URL}/console/login", "api slash": f"{PUBLIC_URL}/v1/capabilities",
-                         "sign-in needed": f"{PUBLIC_URL}/console/login", "signed in": f"{PUBLIC_URL}/console",
-                         "signed out": f"{PUBLIC_URL}/console/login"}
+    assert locations == {
+        "slash": f"{PUBLIC_URL}/console/login",
+        "api slash": f"{PUBLIC_URL}/v1/capabilities",
+        "sign-in needed": f"{PUBLIC_URL}/console/login",
+        "signed in": f"{PUBLIC_URL}/console",
+        "signed out": f"{PUBLIC_URL}/console/login",
+    }
     repo, token, pub = _published(live, pt2_archive)
     digests = [pub.artifact.digest, pub.components["consts"].digest] * 2
     assert _blob_urls(live, token, pub) == [f"{PUBLIC_URL}/v1/repos/{repo}/blobs/{digest}" for digest in digests]
@@ -108,14 +132,24 @@ def test_with_a_public_url_the_console_sign_in_form_may_come_from_it(make_store,
     admin = live.mint("public-url-admin", "*/*:admin")
     with live.client(follow_redirects=False) as client:
         from_public = client.post("/console/login", data={"token": admin}, headers={"Origin": "https://store.example"})
-        from_elsewhere = client.post("/console/login", data={"token": admin},
-                                     headers={"Origin": "https://evil.example"})
+        from_elsewhere = client.post(
+            "/console/login", data={"token": admin}, headers={"Origin": "https://evil.example"}
+        )
     assert from_public.status_code == 303 and from_public.headers["location"] == f"{PUBLIC_URL}/console"
     assert from_elsewhere.status_code == 403
 
 
-@pytest.mark.parametrize("url", ["store.example", "ftp://store.example", "https://u:p@store.example",
-                                 "https://store.example/?q=1", "https://store.example/#top", "https://"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "store.example",
+        "ftp://store.example",
+        "https://u:p@store.example",
+        "https://store.example/?q=1",
+        "https://store.example/#top",
+        "https://",
+    ],
+)
 def test_a_public_url_that_is_no_http_url_is_refused_at_start(url):
     from pydantic import ValidationError
 

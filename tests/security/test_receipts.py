@@ -50,8 +50,9 @@ def cli(live, *args: str) -> str:
     env = {**os.environ, "CGSTORE_HOME": str(live.settings.home)}
     if live.settings.database_url:
         env["CGSTORE_DATABASE_URL"] = live.settings.database_url
-    done = subprocess.run([sys.executable, "-m", "cgstore.cli", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "cgstore.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -73,17 +74,29 @@ def test_a_publish_receipt_verifies_offline_against_the_jwks(store, tenant, pt2_
 
     claims = offline_claims(receipt, jwks(store), store.settings.token_issuer)
     assert claims == {
-        "iss": store.settings.token_issuer, "aud": RECEIPT_AUDIENCE, "iat": claims["iat"],
-        "repo": f"acme/{name}", "key": pub.key, "artifact": pub.artifact.digest,
-        "components": {"consts": pub.components["consts"].digest}, "graph": report.graph_digest,
+        "iss": store.settings.token_issuer,
+        "aud": RECEIPT_AUDIENCE,
+        "iat": claims["iat"],
+        "repo": f"acme/{name}",
+        "key": pub.key,
+        "artifact": pub.artifact.digest,
+        "components": {"consts": pub.components["consts"].digest},
+        "graph": report.graph_digest,
         "publisher": "minter",
     }
     assert abs(claims["iat"] - time.time()) < 120
-    assert verify_receipt(
-        receipt, jwks(store), expect_key=pub.key, expect_artifact=pub.artifact.digest,
-        expect_components={"consts": pub.components["consts"].digest},
-        expect_issuer=store.settings.token_issuer, expect_repo=f"acme/{name}",
-    ) == claims
+    assert (
+        verify_receipt(
+            receipt,
+            jwks(store),
+            expect_key=pub.key,
+            expect_artifact=pub.artifact.digest,
+            expect_components={"consts": pub.components["consts"].digest},
+            expect_issuer=store.settings.token_issuer,
+            expect_repo=f"acme/{name}",
+        )
+        == claims
+    )
 
 
 def test_re_publish_resolve_and_get_answer_the_same_receipt(store, tenant, pt2_archive):
@@ -101,8 +114,13 @@ def test_re_publish_resolve_and_get_answer_the_same_receipt(store, tenant, pt2_a
     assert hit["status"] == "hit" and hit["receipt"] == receipt
     assert record.json()["receipt"] == receipt
     # What the worker caches from the hit is exactly what the receipt vouches for.
-    verify_receipt(hit["receipt"], jwks(store), expect_key=hit["key"], expect_artifact=hit["artifact"]["digest"],
-                   expect_components={c["name"]: c["digest"] for c in hit["components"]})
+    verify_receipt(
+        hit["receipt"],
+        jwks(store),
+        expect_key=hit["key"],
+        expect_artifact=hit["artifact"]["digest"],
+        expect_components={c["name"]: c["digest"] for c in hit["components"]},
+    )
 
 
 def test_a_receipt_vouches_for_nothing_else(store, tenant, pt2_archive):
@@ -111,8 +129,11 @@ def test_a_receipt_vouches_for_nothing_else(store, tenant, pt2_archive):
     with store.client(token) as client:
         receipt = publish(client, "acme", name, pub).json()["receipt"]
     keys = jwks(store)
-    expect = {"expect_key": pub.key, "expect_artifact": pub.artifact.digest,
-              "expect_components": {"consts": pub.components["consts"].digest}}
+    expect = {
+        "expect_key": pub.key,
+        "expect_artifact": pub.artifact.digest,
+        "expect_components": {"consts": pub.components["consts"].digest},
+    }
     with pytest.raises(ReceiptInvalid, match="vouches for"):
         verify_receipt(receipt, keys, **{**expect, "expect_artifact": "blake3:" + "0" * 64})
     with pytest.raises(ReceiptInvalid, match="vouches for"):
@@ -124,7 +145,8 @@ def test_a_receipt_vouches_for_nothing_else(store, tenant, pt2_archive):
     head, body, signature = receipt.split(".")
     other = publication(pt2_archive, archive_report(pt2_archive), envelope={"shapes": [[512, 512]], "text_len": 77})
     forged_body = jwt.utils.base64url_encode(
-        jwt.utils.base64url_decode(body).replace(pub.key.encode(), other.key.encode())).decode()
+        jwt.utils.base64url_decode(body).replace(pub.key.encode(), other.key.encode())
+    ).decode()
     with pytest.raises(ReceiptInvalid, match="does not verify"):
         verify_receipt(f"{head}.{forged_body}.{signature}", keys, **{**expect, "expect_key": other.key})
     with pytest.raises(ReceiptInvalid, match="unknown key"):
@@ -147,8 +169,9 @@ def test_a_receipt_still_verifies_after_key_rotation(store, tenant, pt2_archive)
     name, token = tenant
     report = archive_report(pt2_archive)
     before = publication(pt2_archive, report, components={"consts": CONSTANTS})
-    after = publication(pt2_archive, report, components={"consts": CONSTANTS},
-                        envelope={"shapes": [[768, 768]], "text_len": 256})
+    after = publication(
+        pt2_archive, report, components={"consts": CONSTANTS}, envelope={"shapes": [[768, 768]], "text_len": 256}
+    )
     with store.client(token) as client:
         old = publish(client, "acme", name, before).json()["receipt"]
         new_kid = cli(store, "keys", "rotate")  # no restart: the running store signs with it from the next publish
@@ -159,8 +182,13 @@ def test_a_receipt_still_verifies_after_key_rotation(store, tenant, pt2_archive)
     assert {old_kid, new_kid} <= {k["kid"] for k in keys["keys"]}  # the old kid stays until retired
     for receipt, pub in ((old, before), (new, after)):
         assert offline_claims(receipt, keys, store.settings.token_issuer)["key"] == pub.key
-        verify_receipt(receipt, keys, expect_key=pub.key, expect_artifact=pub.artifact.digest,
-                       expect_components={"consts": pub.components["consts"].digest})
+        verify_receipt(
+            receipt,
+            keys,
+            expect_key=pub.key,
+            expect_artifact=pub.artifact.digest,
+            expect_components={"consts": pub.components["consts"].digest},
+        )
 
 
 def test_retiring_a_key_re_signs_its_receipts(make_store, pt2_archive):
@@ -185,8 +213,11 @@ def test_retiring_a_key_re_signs_its_receipts(make_store, pt2_archive):
 
     keys = jwks(live)
     assert old_kid not in {k["kid"] for k in keys["keys"]}
-    expect = {"expect_key": pub.key, "expect_artifact": pub.artifact.digest,
-              "expect_components": {"consts": pub.components["consts"].digest}}
+    expect = {
+        "expect_key": pub.key,
+        "expect_artifact": pub.artifact.digest,
+        "expect_components": {"consts": pub.components["consts"].digest},
+    }
     with pytest.raises(ReceiptInvalid, match="unknown key"):
         verify_receipt(old, keys, **expect)
     fresh = live.mint("minter", f"acme/{name}:read,write")  # the first token died with its key
@@ -203,8 +234,12 @@ def test_retiring_a_key_re_signs_its_receipts(make_store, pt2_archive):
 def test_a_root_record_s_receipt_carries_the_platform_claim(store, pt2_archive):
     name = unique_repo("rcpt-root")
     platform = store.mint("ci", f"root/{name}:read,write", platform=True)
-    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": CONSTANTS},
-                      envelope={"shapes": [[96, 96]], "text_len": 3})
+    pub = publication(
+        pt2_archive,
+        archive_report(pt2_archive),
+        components={"consts": CONSTANTS},
+        envelope={"shapes": [[96, 96]], "text_len": 3},
+    )
     with store.client(platform) as client:
         created = publish(client, "root", name, pub)
     assert created.status_code == 201, created.text
@@ -218,10 +253,12 @@ def test_root_only_wants_serve_only_receipts_that_prove_root(store, pt2_archive,
     tenant_token = store.mint("tenant", f"acme/{tenant}:read,write")
     platform = store.mint("ci", f"root/{platform_repo}:read,write", platform=True)
     report = archive_report(pt2_archive)
-    ours = publication(pt2_archive, report, components={"consts": CONSTANTS},
-                       envelope={"shapes": [[80, 80]], "text_len": 5})
-    theirs = publication(pt2_archive, report, components={"consts": CONSTANTS},
-                         envelope={"shapes": [[80, 80]], "text_len": 6})
+    ours = publication(
+        pt2_archive, report, components={"consts": CONSTANTS}, envelope={"shapes": [[80, 80]], "text_len": 5}
+    )
+    theirs = publication(
+        pt2_archive, report, components={"consts": CONSTANTS}, envelope={"shapes": [[80, 80]], "text_len": 6}
+    )
     with store.client(tenant_token) as client:
         assert publish(client, "acme", tenant, ours).status_code == 201
     with store.client(platform) as client:

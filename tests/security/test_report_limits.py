@@ -44,8 +44,12 @@ def principal(role: str) -> str:
 def records(store, pt2_archive):
     """``RECORDS`` live records of the owner ``acme`` in a fresh repo: one published, the rest its clones."""
     name = unique_repo("reports")
-    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)},
-                      envelope=unique_envelope())
+    pub = publication(
+        pt2_archive,
+        archive_report(pt2_archive),
+        components={"consts": safetensors_bytes(CONSTANTS_A)},
+        envelope=unique_envelope(),
+    )
     with store.client(store.mint(principal("owner"), f"acme/{name}:read,write")) as client:
         assert publish(client, "acme", name, pub).status_code == 201
     with store.context.db.session() as session:
@@ -55,20 +59,26 @@ def records(store, pt2_archive):
 
 
 def report(client, name: str, key: str, reason: str = "confirmation measured another graph"):
-    return client.post(f"/v1/repos/acme/{name}/compiled-graphs/{key}:report",
-                       json={"measured_graph": "blake3:" + "e" * 64, "reason": reason})
+    return client.post(
+        f"/v1/repos/acme/{name}/compiled-graphs/{key}:report",
+        json={"measured_graph": "blake3:" + "e" * 64, "reason": reason},
+    )
 
 
 def drift_reports(store, name: str, key: str) -> int:
     with store.context.db.session() as session:
-        return session.scalar(select(CompiledGraph.drift_reports).where(
-            CompiledGraph.key == key, CompiledGraph.yanked_at.is_(None)))
+        return session.scalar(
+            select(CompiledGraph.drift_reports).where(CompiledGraph.key == key, CompiledGraph.yanked_at.is_(None))
+        )
 
 
 def report_entries(store, name: str) -> int:
     with store.context.db.session() as session:
-        return session.scalar(select(func.count()).select_from(AuditEvent).where(
-            AuditEvent.action == "compiled_graph.report", AuditEvent.repo == f"acme/{name}"))
+        return session.scalar(
+            select(func.count())
+            .select_from(AuditEvent)
+            .where(AuditEvent.action == "compiled_graph.report", AuditEvent.repo == f"acme/{name}")
+        )
 
 
 def test_attenuated_children_share_their_principals_limit(store, records):
@@ -77,8 +87,9 @@ def test_attenuated_children_share_their_principals_limit(store, records):
     children = []
     with store.client(parent) as client:
         for _ in range(5):
-            answer = client.post("/v1/tokens/attenuate",
-                                 json={"grants": [{"repo": f"acme/{name}", "actions": ["read"]}], "ttl_s": 600})
+            answer = client.post(
+                "/v1/tokens/attenuate", json={"grants": [{"repo": f"acme/{name}", "actions": ["read"]}], "ttl_s": 600}
+            )
             assert answer.status_code in (200, 201), answer.text
             children.append(answer.json()["token"])
     statuses = []
@@ -118,16 +129,21 @@ def test_one_tenants_reports_do_not_count_against_anothers_record_of_the_key(sto
     name = unique_repo("reports-private")
     with store.client(store.mint("ops", f"acme/{name}:admin")) as client:
         assert client.put(f"/v1/repos/acme/{name}", json={"visibility": "principal"}).status_code == 201
-    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)},
-                      envelope=unique_envelope())
+    pub = publication(
+        pt2_archive,
+        archive_report(pt2_archive),
+        components={"consts": safetensors_bytes(CONSTANTS_A)},
+        envelope=unique_envelope(),
+    )
     alice = store.mint(principal("alice"), f"acme/{name}:read,write")
     bob = store.mint(principal("bob"), f"acme/{name}:read,write")
     for token in (alice, bob):
         with store.client(token) as client:
             assert publish(client, "acme", name, pub).status_code == 201
     with store.client(alice) as client:
-        assert [report(client, name, pub.key).status_code for _ in range(REPORTS_PER_RECORD + 1)] == \
-            [200] * REPORTS_PER_RECORD + [429]
+        assert [report(client, name, pub.key).status_code for _ in range(REPORTS_PER_RECORD + 1)] == [
+            200
+        ] * REPORTS_PER_RECORD + [429]
     with store.client(bob) as client:
         answer = report(client, name, pub.key)
     assert answer.status_code == 200, answer.text

@@ -78,7 +78,9 @@ def test_root_write_refused_naming_exactly_the_open_locks(store, case, make_toke
     # Gate a: the preflight gives the same answer before any byte is sent.
     early = preflight(store, token, name)
     assert (early.status_code, code(early), early.json()["error"]["detail"]) == (
-        answer.status_code, code(answer), answer.json()["error"]["detail"],
+        answer.status_code,
+        code(answer),
+        answer.json()["error"]["detail"],
     )
     assert len(audited(store, "ROOT_RESERVED", target=name)) == 2
 
@@ -128,8 +130,12 @@ def test_preflight_creates_nothing(store):
 def test_a_root_record_is_yanked_only_by_a_platform_admin(store, pt2_archive):
     """A store admin without the platform is refused like a root publish (audited), and the record stays live."""
     name = unique_repo("family")
-    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)},
-                      envelope=unique_envelope())
+    pub = publication(
+        pt2_archive,
+        archive_report(pt2_archive),
+        components={"consts": safetensors_bytes(CONSTANTS_A)},
+        envelope=unique_envelope(),
+    )
     with store.client(store.mint("platform-ci", f"root/{name}:read,write", platform=True)) as client:
         assert publish_record(client, "root", name, pub).status_code == 201
     yank = {"reason": "a tenant admin cleaning up root"}

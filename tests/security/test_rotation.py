@@ -51,7 +51,9 @@ def mint_over_http(live, admin: str, name: str) -> str:
 
 def mint_over_http_admin(live, admin: str) -> str:
     with live.client(admin) as client:
-        answer = client.post("/v1/tokens", json={"sub": "ops", "grants": [{"repo": "*/*", "actions": ["admin"]}], "ttl_s": 600})
+        answer = client.post(
+            "/v1/tokens", json={"sub": "ops", "grants": [{"repo": "*/*", "actions": ["admin"]}], "ttl_s": 600}
+        )
     assert answer.status_code == 201
     return answer.json()["token"]
 
@@ -137,8 +139,7 @@ def test_retiring_the_signing_key_waits_for_an_in_flight_publish(own_ring_store,
     name = unique_repo("race")
     keys = live.context.tokens.ring
     token = live.mint("minter", f"acme/{name}:read,write")  # key 1: outlives key 2's retirement
-    pub = publication(pt2_archive, archive_report(pt2_archive),
-                      components={"consts": safetensors_bytes(CONSTANTS_A)})
+    pub = publication(pt2_archive, archive_report(pt2_archive), components={"consts": safetensors_bytes(CONSTANTS_A)})
     with live.client(token) as client:
         upload_all(client, "acme", name, pub)
     with live.context.db.session() as session:
@@ -180,12 +181,17 @@ def test_retiring_the_signing_key_waits_for_an_in_flight_publish(own_ring_store,
     with live.client() as client:
         jwks = client.get("/v1/keys").json()
     assert signing_now not in {key["kid"] for key in jwks["keys"]}
-    expect = {"expect_key": pub.key, "expect_artifact": pub.artifact.digest,
-              "expect_components": {"consts": pub.components["consts"].digest}}
+    expect = {
+        "expect_key": pub.key,
+        "expect_artifact": pub.artifact.digest,
+        "expect_components": {"consts": pub.components["consts"].digest},
+    }
     with live.client(token) as client:
         record = client.get(pub.path("acme", name)).json()
         again = client.put(pub.path("acme", name), json=pub.manifest)
-        (hit,) = client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": [pub.key]}).json()["answers"]
+        (hit,) = client.post("/v1/compiled-graphs:resolve", json={"family": FAMILY, "keys": [pub.key]}).json()[
+            "answers"
+        ]
     assert again.status_code == 200, again.text
     for receipt in (record["receipt"], again.json()["receipt"], hit["receipt"]):
         verify_receipt(receipt, jwks, **expect, expect_repo=f"acme/{name}")

@@ -98,8 +98,9 @@ def test_unstorable_text_in_a_resolve_family_is_refused(store, repo, text):
     _, token = repo
     body = f'{{"family": {_escaped(text)}, "keys": ["{KEY}"]}}'
     with store.client(token) as client:
-        response = client.post("/v1/compiled-graphs:resolve", content=body,
-                               headers={"Content-Type": "application/json"})
+        response = client.post(
+            "/v1/compiled-graphs:resolve", content=body, headers={"Content-Type": "application/json"}
+        )
     _refused(response)
 
 
@@ -165,13 +166,14 @@ def test_a_query_integer_is_ascii_digits_only(store, repo, admin, value):
     """Every integer query parameter of the API (``limit`` of three listings, preflight's ``min_ttl_s``)."""
     name, token = repo
     with store.client(admin) as client:
-        refused = [client.get("/v1/tokens", params={"limit": value}),
-                   client.get("/v1/audit", params={"limit": value})]
+        refused = [client.get("/v1/tokens", params={"limit": value}), client.get("/v1/audit", params={"limit": value})]
         assert client.get("/v1/tokens", params={"limit": "4"}).status_code == 200
         assert client.get("/v1/audit", params={"limit": "4"}).status_code == 200
     with store.client(token) as client:
-        refused += [client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"limit": value}),
-                    client.post(f"/v1/repos/acme/{name}/preflight", params={"min_ttl_s": value})]
+        refused += [
+            client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"limit": value}),
+            client.post(f"/v1/repos/acme/{name}/preflight", params={"min_ttl_s": value}),
+        ]
         assert client.get(f"/v1/repos/acme/{name}/compiled-graphs", params={"limit": "4"}).status_code == 200
         assert client.post(f"/v1/repos/acme/{name}/preflight", params={"min_ttl_s": "60"}).status_code == 204
     for response in refused:

@@ -38,11 +38,7 @@ def _modes(root: Path) -> dict[str, int]:
 
 def _assert_private(root: Path) -> None:
     modes = _modes(root)
-    wrong = {
-        name: oct(mode)
-        for name, mode in modes.items()
-        if mode != (0o700 if (root / name).is_dir() else 0o600)
-    }
+    wrong = {name: oct(mode) for name, mode in modes.items() if mode != (0o700 if (root / name).is_dir() else 0o600)}
     assert not wrong, wrong
 
 
@@ -80,7 +76,11 @@ def test_cgstore_serve_keeps_its_home_private(tmp_path):
     with store_process({}, home) as served:
         token = subprocess.run(
             [sys.executable, "-m", "cgstore.cli", "token", "mint", "--sub", "alice", "--grant", "acme/*:read,write"],
-            env=served.env, cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+            env=served.env,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         data = os.urandom(4096)
         with httpx.Client(base_url=served.base_url, headers={"Authorization": f"Bearer {token}"}) as client:

@@ -62,9 +62,7 @@ _unit = st.sampled_from(["bytes", "Bytes", "BYTES"])
 
 
 def _int_range():
-    return st.tuples(_unit, _numbers(), _numbers()).map(
-        lambda t: Case(f"{t[0]}={t[1]}-{t[2]}", "int", (t[1], t[2]))
-    )
+    return st.tuples(_unit, _numbers(), _numbers()).map(lambda t: Case(f"{t[0]}={t[1]}-{t[2]}", "int", (t[1], t[2])))
 
 
 def _open_range():

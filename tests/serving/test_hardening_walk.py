@@ -54,7 +54,9 @@ CASES: dict[str, tuple[list[tuple[bytes, bytes]], set[bytes], bytes]] = {
     "huge bearer": ([(b"Authorization", b"Bearer " + b"A" * 20000)], {b"authorization"}, b""),
     "two authorizations": ([(b"Authorization", b"Bearer x")], set(), b""),
     "obs-text in other headers": (
-        [(b"Accept", b"\xff\xfe"), (b"If-None-Match", b'"\x80"'), (b"X-Note", b"caf\xe9")], set(), b""
+        [(b"Accept", b"\xff\xfe"), (b"If-None-Match", b'"\x80"'), (b"X-Note", b"caf\xe9")],
+        set(),
+        b"",
     ),
     "obs-text content-type": ([(b"Content-Type", b"application/json; charset=\xff")], {b"content-type"}, b""),
     "NUL in a header": ([(b"X-Note", b"a\x00b")], set(), b""),
@@ -129,7 +131,8 @@ def test_every_route_answers_malformed_headers_with_json_errors(make_store, conf
         for what, (extra, replaced, bad_query) in CASES.items():
             session = sessions[len(statuses) % len(sessions)].rsplit("/", 1)[1]
             path = re.sub(
-                r"{(\w+)(?::\w+)?}", lambda m: values.get(m.group(1), session if m.group(1) == "session_id" else "x"),
+                r"{(\w+)(?::\w+)?}",
+                lambda m: values.get(m.group(1), session if m.group(1) == "session_id" else "x"),
                 template,
             )
             query = "&".join(f"{q}={values.get(q, '1')}" for q in queries).encode()

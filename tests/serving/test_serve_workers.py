@@ -21,7 +21,11 @@ def test_two_workers_serve_one_store_and_stop_with_the_server(tmp_path):
         assert len(workers) == 2, [child.cmdline() for child in parent.children()]
         token = subprocess.run(
             [sys.executable, "-m", "cgstore.cli", "token", "mint", "--sub", "alice", "--grant", "acme/*:read,write"],
-            env=served.env, cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+            env=served.env,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         data = os.urandom(4096)
         headers = {"Authorization": f"Bearer {token}"}

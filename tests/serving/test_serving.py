@@ -48,8 +48,14 @@ print(json.dumps({"capped": capped, "heaps": heaps}))
 
 def _probe(arenas: int, **env: str) -> dict:
     environment = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | env
-    done = subprocess.run([sys.executable, "-c", _PROBE, str(arenas)], env=environment, cwd=REPO_ROOT,
-                          check=True, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(arenas)],
+        env=environment,
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

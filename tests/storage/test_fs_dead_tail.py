@@ -36,8 +36,14 @@ def _token(home, grant: str) -> str:
     env = {**os.environ, "CGSTORE_HOME": str(home)}
     cli = [sys.executable, "-m", "cgstore.cli"]
     subprocess.run([*cli, "db", "upgrade"], env=env, check=True, cwd=REPO_ROOT, capture_output=True)
-    minted = subprocess.run([*cli, "token", "mint", "--sub", "alice", "--grant", grant, "--ttl", "1h"],
-                            env=env, check=True, cwd=REPO_ROOT, capture_output=True, text=True)
+    minted = subprocess.run(
+        [*cli, "token", "mint", "--sub", "alice", "--grant", grant, "--ttl", "1h"],
+        env=env,
+        check=True,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     return minted.stdout.strip()
 
 

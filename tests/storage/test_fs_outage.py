@@ -40,7 +40,9 @@ class SmallDisk:
         self.path = path
         path.mkdir()
         if MOUNTABLE:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES},mode=0700", "tmpfs", str(path)], check=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES},mode=0700", "tmpfs", str(path)], check=True
+            )
 
     def make_read_only(self) -> None:
         if MOUNTABLE:  # root ignores permissions; a read-only mount stops it too

@@ -46,8 +46,9 @@ def s3_case(s3_server, tmp_path):
 
 def test_every_presigned_url_of_a_batch_is_accepted_and_a_tampered_one_refused_by_s3(s3_case):
     storage = s3_case.storage
-    blobs = {write_blob(storage, f"blob {i} of the batch".encode()): f"blob {i} of the batch".encode()
-             for i in range(4)}
+    blobs = {
+        write_blob(storage, f"blob {i} of the batch".encode()): f"blob {i} of the batch".encode() for i in range(4)
+    }
     # botocore signs the first URL of a batch, the store's own SigV4 code the others.
     urls = storage.presigned_urls(list(blobs), 60)
     for digest, url in urls.items():
@@ -77,8 +78,9 @@ def test_an_expired_presigned_url_is_refused_by_s3(s3_case):
     assert re.search(r"<Code>AccessDenied</Code>|expired", answer.text, re.IGNORECASE), answer.text[:300]
 
 
-def test_a_store_with_a_wrong_s3_secret_is_not_ready_and_says_why(s3_server, pg_url, session_bucket, tmp_path,
-                                                                   monkeypatch):
+def test_a_store_with_a_wrong_s3_secret_is_not_ready_and_says_why(
+    s3_server, pg_url, session_bucket, tmp_path, monkeypatch
+):
     settings = settings_for("production", tmp_path, pg_url=pg_url, s3=s3_server, bucket=session_bucket)
     # The store reads its keys from the environment when it opens its storage.
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-" + s3_server.secret_key)

@@ -63,6 +63,7 @@ NOTHING_LEFT = {"uploads": [], "tmp": [], "multipart": []}
 
 # -- helpers ---------------------------------------------------------------------------
 
+
 def chunked(data: bytes, size: int = 256 * 1024) -> Iterator[bytes]:
     for i in range(0, len(data), size):
         yield data[i : i + size]
@@ -115,6 +116,7 @@ def big_data() -> bytes:
 
 
 # -- verified writes ----------------------------------------------------------------------
+
 
 def test_open_storage_builds_the_configured_backend(storage_case):
     if storage_case.kind == "fs":
@@ -339,6 +341,7 @@ def test_a_stage_writer_counts_the_offset_against_the_limit_before_any_byte(make
 
 # -- staged uploads ---------------------------------------------------------------------------
 
+
 def test_staged_upload_over_several_appends(storage_case, big_data):
     # Uneven pieces; one longer than a part (a multipart chunk object on S3).
     cuts = [0, 1, 1001, 1001 + PART + 123, 1001 + PART + 126, len(big_data)]
@@ -459,8 +462,10 @@ def count_s3_calls(case: StorageCase, *operations: str) -> dict[str, int]:
     """Live counts of the S3 operations this storage's clients send (botocore's own event hooks)."""
     counts = dict.fromkeys(operations, 0)
     for operation in operations:
+
         def count(operation=operation, **_):
             counts[operation] += 1
+
         for client in (case.storage.client, case.storage.objects.complete_client):
             client.meta.events.register(f"before-call.s3.{operation}", count)
     return counts
@@ -612,6 +617,7 @@ def test_any_chunking_and_any_range_round_trip(storage_case, data, cuts, start, 
 
 # -- presigned URLs -------------------------------------------------------------------------------
 
+
 def test_presigned_url_downloads_identical_bytes(storage_case):
     data = os.urandom(PART + 1000)
     digest = blake3_digest(data)
@@ -637,6 +643,7 @@ def test_presigned_url_names_the_public_endpoint(s3_server, tmp_path):
 
 
 # -- outages ----------------------------------------------------------------------------------------
+
 
 def assert_unavailable_quickly(name: str, operation) -> None:
     started = time.monotonic()
@@ -724,6 +731,7 @@ def test_other_client_errors_are_not_disguised_as_outages():
 
 # -- orphans of dead processes ----------------------------------------------------------------------------
 
+
 def start_multipart_write(storage, data: bytes):
     """A writer with its multipart upload open on S3 (one part sent, more bytes gathered)."""
     writer = storage.writer(blake3_digest(data), len(data))
@@ -795,6 +803,7 @@ def test_s3_sweep_racing_the_creation_of_an_upload_spares_it(s3_server, tmp_path
 
 
 # -- completing multipart uploads --------------------------------------------------------------------
+
 
 def complete_hook(case: StorageCase, action: str) -> dict[str, list]:
     """Just before the storage's own CompleteMultipartUpload goes out, act on its upload
@@ -916,6 +925,7 @@ def test_s3_slow_complete_is_waited_for_not_retried(s3_server, tmp_path, big_dat
 
 
 # -- memory ----------------------------------------------------------------------------------------------
+
 
 def test_memory_stays_bounded_for_a_256_mib_blob(storage_case):
     """Write and read back 256 MiB streamed from a generator; the peak must be a few parts, not the blob."""

@@ -25,7 +25,8 @@ def audited(store, outcome: str, *, target: str | None = None, jti: str | None =
     with store.context.db.session() as session:
         rows = session.scalars(select(AuditEvent).where(AuditEvent.outcome == outcome)).all()
     return [
-        row for row in rows
+        row
+        for row in rows
         if (target is None or target in row.target or any(target in p for p in row.detail.get("paths", [])))
         and (jti is None or row.jti == jti)
     ]

@@ -57,7 +57,9 @@ class PrivatePostgres:
     def start(self) -> None:
         options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
         subprocess.run(
-            _as_postgres([_pg_bin("pg_ctl"), "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "start"]),
+            _as_postgres(
+                [_pg_bin("pg_ctl"), "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "start"]
+            ),
             check=True,
             stdout=subprocess.DEVNULL,
         )

@@ -35,11 +35,25 @@ def tiny_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     if name == "gpt2":
-        config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=False,
-                            bos_token_id=0, eos_token_id=0)
+        config = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return GPT2LMHeadModel(config).eval()
-    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=32)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     return BertModel(config).eval()
 
 

@@ -111,10 +111,23 @@ class HostileStore:
         self.signer = kid
 
     def receipt(self, key: str, repo: str, artifact: str) -> str:
-        claims = {"iss": "hostile", "aud": "cgstore-receipt", "iat": int(time.time()), "repo": repo, "key": key,
-                  "artifact": artifact, "components": {}, "graph": "g1:" + "0" * 64, "publisher": "mallory"}
-        return jwt.encode(claims, self.keys[self.signer], algorithm="EdDSA",
-                          headers={"kid": self.signer, "typ": "cgstore-receipt+jwt"})
+        claims = {
+            "iss": "hostile",
+            "aud": "cgstore-receipt",
+            "iat": int(time.time()),
+            "repo": repo,
+            "key": key,
+            "artifact": artifact,
+            "components": {},
+            "graph": "g1:" + "0" * 64,
+            "publisher": "mallory",
+        }
+        return jwt.encode(
+            claims,
+            self.keys[self.signer],
+            algorithm="EdDSA",
+            headers={"kid": self.signer, "typ": "cgstore-receipt+jwt"},
+        )
 
     # --- a whole store for one record ----------------------------------------------------------
 
@@ -125,28 +138,63 @@ class HostileStore:
         record_path = f"/v1/repos/{REPO}/compiled-graphs/{KEY}"
         self.routes[("GET", "/v1/keys")] = lambda body, headers: json_answer(self.jwks())
         self.routes[("POST", "/v1/compiled-graphs:resolve")] = lambda body, headers: json_answer(
-            {"answers": [self.hit(digest, len(blob), href or record_path)]})
+            {"answers": [self.hit(digest, len(blob), href or record_path)]}
+        )
         self.routes[("GET", f"/v1/repos/{REPO}/blobs/{digest}")] = blob_answer or Answer(
-            blob, headers={"Content-Type": "application/octet-stream"})
+            blob, headers={"Content-Type": "application/octet-stream"}
+        )
         self.routes[("GET", record_path)] = lambda body, headers: json_answer(self.record(digest, len(blob)))
         return digest
 
     def hit(self, digest: str, size: int, href: str) -> dict:
-        facts = {"kind": "aoti", "format": "pt2", "family": FAMILY, "lane": "baseline+dense", "sm": "cpu",
-                 "graph": "g1:" + "0" * 64, "envelope_digest": "e", "toolchain_digest": "t", "layout": None,
-                 "created_at": "2026-12-06T00:00:00Z", "href": href}
-        return {"key": KEY, "status": "hit", "repo": REPO, "record": facts,
-                "artifact": {"digest": digest, "size": size, "url": f"{self.url}/v1/repos/{REPO}/blobs/{digest}"},
-                "components": [], "receipt": self.receipt(KEY, REPO, digest)}
+        facts = {
+            "kind": "aoti",
+            "format": "pt2",
+            "family": FAMILY,
+            "lane": "baseline+dense",
+            "sm": "cpu",
+            "graph": "g1:" + "0" * 64,
+            "envelope_digest": "e",
+            "toolchain_digest": "t",
+            "layout": None,
+            "created_at": "2026-12-06T00:00:00Z",
+            "href": href,
+        }
+        return {
+            "key": KEY,
+            "status": "hit",
+            "repo": REPO,
+            "record": facts,
+            "artifact": {"digest": digest, "size": size, "url": f"{self.url}/v1/repos/{REPO}/blobs/{digest}"},
+            "components": [],
+            "receipt": self.receipt(KEY, REPO, digest),
+        }
 
     def record(self, digest: str, size: int) -> dict:
-        manifest = {"kind": "aoti", "format": "pt2", "family": FAMILY, "lane": "baseline+dense",
-                    "axes": {"graph": "g1:" + "0" * 64, "envelope": {}, "sm": "cpu",
-                             "toolchain": {"components": {"torch": "2.13.0"}}},
-                    "artifact": {"digest": digest, "size": size}}
-        return {"key": KEY, "repo": REPO, "manifest": manifest, "input_contract": {}, "binding_table": [],
-                "kernel_lane": None, "publisher": {"principal": "mallory", "jti": None},
-                "created_at": dt.datetime.now(dt.UTC).isoformat(), "receipt": self.receipt(KEY, REPO, digest)}
+        manifest = {
+            "kind": "aoti",
+            "format": "pt2",
+            "family": FAMILY,
+            "lane": "baseline+dense",
+            "axes": {
+                "graph": "g1:" + "0" * 64,
+                "envelope": {},
+                "sm": "cpu",
+                "toolchain": {"components": {"torch": "2.13.0"}},
+            },
+            "artifact": {"digest": digest, "size": size},
+        }
+        return {
+            "key": KEY,
+            "repo": REPO,
+            "manifest": manifest,
+            "input_contract": {},
+            "binding_table": [],
+            "kernel_lane": None,
+            "publisher": {"principal": "mallory", "jti": None},
+            "created_at": dt.datetime.now(dt.UTC).isoformat(),
+            "receipt": self.receipt(KEY, REPO, digest),
+        }
 
     # --- serving -------------------------------------------------------------------------------
 

@@ -92,12 +92,20 @@ def session_servers(request, configuration: str) -> dict:
     """``settings_for``'s servers for a store on the session database: the database and its bucket."""
     if configuration != "production":
         return {"pg_url": None, "s3": None}
-    return {"pg_url": request.getfixturevalue("pg_url"), "s3": request.getfixturevalue("s3_server"),
-            "bucket": request.getfixturevalue("session_bucket")}
+    return {
+        "pg_url": request.getfixturevalue("pg_url"),
+        "s3": request.getfixturevalue("s3_server"),
+        "bucket": request.getfixturevalue("session_bucket"),
+    }
 
 
 def settings_for(
-    configuration: str, home: Path, *, pg_url: str | None, s3: S3Server | None, bucket: str | None = None,
+    configuration: str,
+    home: Path,
+    *,
+    pg_url: str | None,
+    s3: S3Server | None,
+    bucket: str | None = None,
     **overrides,
 ) -> Settings:
     """A test store's settings; in production, ``bucket`` (else a new one) on ``s3``.

@@ -61,6 +61,7 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 
 # -- PostgreSQL ---------------------------------------------------------------
 
+
 def postgres_is_up() -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", 5432), timeout=1):
         return True
@@ -72,9 +73,7 @@ def ensure_postgres() -> None:
     if postgres_is_up():
         return
     versions = sorted(os.listdir("/etc/postgresql"))
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "start"], check=True
-    )
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "start"], check=True)
     wait_for_port(5432, timeout_s=60)
 
 
@@ -97,6 +96,7 @@ def postgres_database(prefix: str = "cgstore_test", options: str = "") -> Iterat
 
 
 # -- S3 -----------------------------------------------------------------------------
+
 
 @dataclass
 class S3Server:
@@ -126,8 +126,11 @@ class S3Server:
     @property
     def credentials(self) -> dict[str, str]:
         """The ``AWS_*`` variables a store (in-process or not) signs its requests with."""
-        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
-                "AWS_DEFAULT_REGION": self.region}
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
 
     def client(self, **config):
         """A boto3 client of its own, signed with this server's keys (``config``: botocore ``Config`` options)."""
@@ -141,8 +144,12 @@ class S3Server:
             aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key,
             # RGW 16 knows no flexible checksums (the CRC32 boto3 ≥ 1.36 sends by default).
-            config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
-                          response_checksum_validation="when_required", **config),
+            config=Config(
+                s3={"addressing_style": "path"},
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                **config,
+            ),
         )
 
     def create_bucket(self, name: str | None = None) -> str:
@@ -252,8 +259,7 @@ def _wait_for(condition, what: str, timeout_s: float, procs: list[subprocess.Pop
     while not condition():
         for proc in procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} while waiting for {what}; "
-                                   f"see {logs}")
+                raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} while waiting for {what}; see {logs}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"Ceph: no {what} after {timeout_s}s; see {logs}")
         time.sleep(0.2)
@@ -302,10 +308,33 @@ def rgw_s3_server(block_bytes: int = RGW_BLOCK_BYTES) -> Iterator[S3Server]:
         return proc
 
     try:
-        _run_ceph(["monmaptool", "--create", "--fsid", fsid, "--addv", "a",
-                   f"[v2:127.0.0.1:{mon_v2},v1:127.0.0.1:{mon_v1}]", str(root / "monmap")], conf)
-        _run_ceph(["ceph-authtool", "--create-keyring", str(root / "keyring"), "--gen-key", "-n", "mon.",
-                   "--cap", "mon", "allow *"], conf)
+        _run_ceph(
+            [
+                "monmaptool",
+                "--create",
+                "--fsid",
+                fsid,
+                "--addv",
+                "a",
+                f"[v2:127.0.0.1:{mon_v2},v1:127.0.0.1:{mon_v1}]",
+                str(root / "monmap"),
+            ],
+            conf,
+        )
+        _run_ceph(
+            [
+                "ceph-authtool",
+                "--create-keyring",
+                str(root / "keyring"),
+                "--gen-key",
+                "-n",
+                "mon.",
+                "--cap",
+                "mon",
+                "allow *",
+            ],
+            conf,
+        )
         _run_ceph(["ceph-mon", "--mkfs", "-i", "a", "--monmap", str(root / "monmap")], conf)
         daemon("ceph-mon", "-i", "a")
         osd_uuid = str(uuid.uuid4())
@@ -317,8 +346,24 @@ def rgw_s3_server(block_bytes: int = RGW_BLOCK_BYTES) -> Iterator[S3Server]:
         endpoint_url = f"http://127.0.0.1:{rgw_port}"
         _wait_for(lambda: _s3_answers(endpoint_url), "radosgw answering", RGW_READY_TIMEOUT_S, procs, logs)
         access_key, secret_key = secrets.token_hex(10).upper(), secrets.token_urlsafe(30)
-        _run_ceph(["radosgw-admin", "-n", "client.rgw.a", "user", "create", "--uid", "cgstore",
-                   "--display-name", "cgstore tests", "--access-key", access_key, "--secret-key", secret_key], conf)
+        _run_ceph(
+            [
+                "radosgw-admin",
+                "-n",
+                "client.rgw.a",
+                "user",
+                "create",
+                "--uid",
+                "cgstore",
+                "--display-name",
+                "cgstore tests",
+                "--access-key",
+                access_key,
+                "--secret-key",
+                secret_key,
+            ],
+            conf,
+        )
         server = S3Server(endpoint_url, procs, access_key, secret_key, implementation="rgw")
         _warm_up(server)
         yield server
@@ -336,8 +381,12 @@ def _warm_up(server: S3Server) -> None:
     client.put_object(Bucket=bucket, Key="plain", Body=b"warm")
     upload = client.create_multipart_upload(Bucket=bucket, Key="multipart")["UploadId"]
     part = client.upload_part(Bucket=bucket, Key="multipart", UploadId=upload, PartNumber=1, Body=b"warm")
-    client.complete_multipart_upload(Bucket=bucket, Key="multipart", UploadId=upload,
-                                     MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+    client.complete_multipart_upload(
+        Bucket=bucket,
+        Key="multipart",
+        UploadId=upload,
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
+    )
     client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": "plain"}, {"Key": "multipart"}]})
     client.delete_bucket(Bucket=bucket)
 
@@ -351,6 +400,7 @@ def ceph_version() -> str:
 
 
 # -- the store as a separate process ----------------------------------------------
+
 
 @dataclass
 class StoreProcess:

@@ -18,10 +18,12 @@ def _s3_client(store):
     from botocore.config import Config
 
     storage = store.context.storage
-    return boto3.client("s3", endpoint_url=storage.client.meta.endpoint_url,
-                        region_name=storage.client.meta.region_name,
-                        config=Config(request_checksum_calculation="when_required",
-                                      response_checksum_validation="when_required"))
+    return boto3.client(
+        "s3",
+        endpoint_url=storage.client.meta.endpoint_url,
+        region_name=storage.client.meta.region_name,
+        config=Config(request_checksum_calculation="when_required", response_checksum_validation="when_required"),
+    )
 
 
 def flip_byte(store, digest: str, data: bytes, at: int = -1) -> None:
@@ -56,7 +58,11 @@ def rewrite_s3_object_multipart(store, digest: str, data: bytes) -> str:
     s3, key = _s3_client(store), storage.blob_key(digest)
     upload = s3.create_multipart_upload(Bucket=storage.bucket, Key=key)["UploadId"]
     part = s3.upload_part(Bucket=storage.bucket, Key=key, UploadId=upload, PartNumber=1, Body=data)
-    s3.complete_multipart_upload(Bucket=storage.bucket, Key=key, UploadId=upload,
-                                 MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+    s3.complete_multipart_upload(
+        Bucket=storage.bucket,
+        Key=key,
+        UploadId=upload,
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
+    )
     # RGW 16 answers CompleteMultipartUpload with an empty ETag; HEAD has the "-1" one.
     return s3.head_object(Bucket=storage.bucket, Key=key)["ETag"]

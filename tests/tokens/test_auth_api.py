@@ -79,7 +79,9 @@ def test_forged_token_is_token_invalid_and_audited(store, owned):
 
 def test_expired_token_is_token_invalid(store, owned):
     name, _ = owned
-    past = TokenService(store.context.db, store.settings, ring=store.context.tokens.ring, clock=lambda: time.time() - 7200)
+    past = TokenService(
+        store.context.db, store.settings, ring=store.context.tokens.ring, clock=lambda: time.time() - 7200
+    )
     expired = past.mint("alice", [f"acme/{name}:read"], 3600).token
     with store.client(expired) as client:
         answer = client.head(f"/v1/repos/acme/{name}/blobs/{DIGEST}")

@@ -58,7 +58,11 @@ from tests.support.services import postgres_database
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKEN_TABLES = [
-    Principal.__table__, Owner.__table__, TokenRecord.__table__, SigningKey.__table__, AuditEvent.__table__,
+    Principal.__table__,
+    Owner.__table__,
+    TokenRecord.__table__,
+    SigningKey.__table__,
+    AuditEvent.__table__,
     AuditHead.__table__,
 ]
 
@@ -498,9 +502,7 @@ def _private_pem(key) -> bytes:
 
 
 def _public_pem(key) -> bytes:
-    return key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 # =============================================================================

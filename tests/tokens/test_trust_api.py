@@ -68,7 +68,7 @@ def test_list_shows_claims_and_status_never_the_token(store):
         minted = client.post("/v1/tokens", json={"sub": sub, "grants": [grant("acme/x", "read")], "ttl_s": 600}).json()
         listing = client.get("/v1/tokens", params={"sub": sub})
     assert listing.status_code == 200
-    assert minted["token"].rsplit(".", 1)[1] not in listing.text and "token\"" not in listing.text
+    assert minted["token"].rsplit(".", 1)[1] not in listing.text and 'token"' not in listing.text
     (row,) = listing.json()["tokens"]
     assert row["jti"] == minted["jti"] and row["sub"] == sub and row["status"] == "active"
     assert row["parent"] is None and row["grants"] == [grant("acme/x", "read")]
@@ -106,8 +106,14 @@ def test_the_token_listing_pages_by_keyset(store):
 
 def test_a_bad_token_cursor_or_limit_is_refused(store):
     with store.client(store.mint("ops", "*/*:admin")) as client:
-        for params in ({"cursor": "f" * 32}, {"cursor": "not-a-jti"}, {"cursor": "f" * 65},
-                       {"limit": 0}, {"limit": 1001}, {"limit": "many"}):
+        for params in (
+            {"cursor": "f" * 32},
+            {"cursor": "not-a-jti"},
+            {"cursor": "f" * 65},
+            {"limit": 0},
+            {"limit": 1001},
+            {"limit": "many"},
+        ):
             answer = client.get("/v1/tokens", params=params)
             assert answer.status_code == 400 and code(answer) == "BAD_REQUEST", (params, answer.text)
 
@@ -117,8 +123,13 @@ def test_cli_lists_every_page(store):
     sub = f"many-{uuid.uuid4().hex[:6]}"
     issued = dt.datetime.now(dt.UTC).replace(microsecond=0)
     rows = [
-        TokenRecord(jti=f"{sub.replace('-', '')}{n:06d}", sub=sub, grants=[], issued_at=issued,
-                    expires_at=issued + dt.timedelta(hours=1))
+        TokenRecord(
+            jti=f"{sub.replace('-', '')}{n:06d}",
+            sub=sub,
+            grants=[],
+            issued_at=issued,
+            expires_at=issued + dt.timedelta(hours=1),
+        )
         for n in range(MAX_TOKEN_PAGE + 1)
     ]
     with store.context.db.session() as session:
@@ -131,9 +142,13 @@ def test_revoke_cascades_to_every_descendant(store):
     name = unique_repo()
     root = store.context.tokens.mint("job", [f"acme/{name}:read,write"], 600)
     with store.client(root.token) as client:
-        child = client.post("/v1/tokens/attenuate", json={"grants": [grant(f"acme/{name}", "write")], "ttl_s": 300}).json()
+        child = client.post(
+            "/v1/tokens/attenuate", json={"grants": [grant(f"acme/{name}", "write")], "ttl_s": 300}
+        ).json()
     with store.client(child["token"]) as client:
-        grandchild = client.post("/v1/tokens/attenuate", json={"grants": [grant(f"acme/{name}", "read")], "ttl_s": 60}).json()
+        grandchild = client.post(
+            "/v1/tokens/attenuate", json={"grants": [grant(f"acme/{name}", "read")], "ttl_s": 60}
+        ).json()
     admin = store.mint("ops", "*/*:admin")
     with store.client(admin) as client:
         assert client.delete(f"/v1/tokens/{root.jti}").json() == {"revoked": 3}
@@ -221,5 +236,7 @@ def test_cli_demotes_a_platform_principal_and_root_writes_stop(store):
         assert client.post(f"/v1/repos/root/{name}/preflight").status_code == 204
         assert cli(store, "principal", "set", sub, "--tenant").strip() == f"{sub}: tenant"
         answer = client.post(f"/v1/repos/root/{name}/preflight")
-    assert answer.status_code == 403 and answer.json()["error"]["detail"]["missing"] == ["a registered platform principal"]
+    assert answer.status_code == 403 and answer.json()["error"]["detail"]["missing"] == [
+        "a registered platform principal"
+    ]
     assert audit_actions(store, sub) == ["principal.register"]

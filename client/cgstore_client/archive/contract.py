@@ -112,9 +112,7 @@ _ITEM_SIZES: Mapping[str, int] = {
     "uint32": 4,
     "uint64": 8,
 }
-_DICT_TYPES = frozenset(
-    {"builtins.dict", "collections.OrderedDict", "torch.fx.immutable_collections.immutable_dict"}
-)
+_DICT_TYPES = frozenset({"builtins.dict", "collections.OrderedDict", "torch.fx.immutable_collections.immutable_dict"})
 _SPEC_KINDS = {
     "parameter": ("PARAMETER", "parameter_name"),
     "buffer": ("BUFFER", "buffer_name"),
@@ -250,8 +248,7 @@ class _ContractBuilder:
         elif node.get("context") not in (None, "null"):
             projected["context"] = str(node["context"])
         projected["children"] = [
-            self.tree(_require_spec_node(child), path + _path_step(keys, index))
-            for index, child in enumerate(children)
+            self.tree(_require_spec_node(child), path + _path_step(keys, index)) for index, child in enumerate(children)
         ]
         return projected
 
@@ -305,7 +302,8 @@ def derive_input_contract(view: ProgramView) -> dict[str, object]:
     prefixes, is_call = _root_path(root)
     if is_call:
         children = [
-            builder.tree(_require_spec_node(child), prefix) for prefix, child in zip(prefixes, root["children_spec"], strict=True)
+            builder.tree(_require_spec_node(child), prefix)
+            for prefix, child in zip(prefixes, root["children_spec"], strict=True)
         ]
         tree: object = {"type": str(root["type"]), "arity": 2, "children": children}
     else:
@@ -410,7 +408,7 @@ def _signature_rows(view: ProgramView) -> list[dict[str, Any]]:
     for spec in view.input_specs:
         if not isinstance(spec, Mapping) or len(spec) != 1:
             raise ProgramInvalid("serialized program: an input spec must be a one-key object")
-        (spec_type, body), = spec.items()
+        ((spec_type, body),) = spec.items()
         if spec_type not in _SPEC_KINDS:
             continue  # user inputs, constant inputs and tokens are not constants of the program
         kind, fqn_key = _SPEC_KINDS[spec_type]
@@ -451,9 +449,7 @@ def _attach_aoti(rows: list[dict[str, Any]], constants: list[AotiConstant]) -> l
     ):
         for row, constant in zip(leftover_rows, leftover_constants, strict=True):
             _bind(row, constant, matched)
-    extra = [
-        _aoti_only_row(constant) for constant in constants if constant.index not in matched
-    ]
+    extra = [_aoti_only_row(constant) for constant in constants if constant.index not in matched]
     return rows + extra
 
 

@@ -410,9 +410,7 @@ def program_document_from_program(program: ExportedProgram) -> bytes:
     """Serialize ``program`` with torch's own serializer, without weights, constants or example inputs."""
     from torch._export.serde.serialize import serialize  # torch is a mint-side dependency only
 
-    artifact = serialize(
-        program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
-    )
+    artifact = serialize(program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False)
     return artifact.exported_program
 
 
@@ -439,8 +437,13 @@ def program_ties(program: ExportedProgram) -> tuple[tuple[str, ...], ...]:
     for fqn, tensor in sorted({**program.constants, **program.state_dict}.items()):
         if not hasattr(tensor, "untyped_storage"):
             continue  # custom objects hold no tensor storage
-        view = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-                tuple(tensor.stride()), str(tensor.dtype))
+        view = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            str(tensor.dtype),
+        )
         groups.setdefault(view, []).append(fqn)
     return canonical_ties([names for names in groups.values() if len(names) > 1])
 

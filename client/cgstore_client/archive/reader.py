@@ -80,7 +80,9 @@ KNOWN_ARCHIVE_VERSIONS = frozenset({"0"})
 METADATA_PATH = "extra/metadata.json"
 
 # Records torch's archive writer adds on its own.
-_TORCH_RECORDS = frozenset({"archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id"})
+_TORCH_RECORDS = frozenset(
+    {"archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id"}
+)
 _WEIGHT_PREFIXES = ("data/weights/", "data/constants/", "xl_model_weights/")
 _PICKLE_PREFIXES = ("data/sample_inputs/",)
 _WEIGHT_FILE_SUFFIXES = ("_weights.blob", "_serialized_weights.bin", "weights_config.json")
@@ -244,7 +246,9 @@ def _read_layout(zf: SafeZip) -> _Layout:
         raise ArchiveMalformed(f"{root}/archive_version is missing")
     version = _read_marker(zf, f"{root}/archive_version")
     if version not in KNOWN_ARCHIVE_VERSIONS:
-        raise ArchiveMalformed(f"archive_version {version!r} is not one this reader knows {sorted(KNOWN_ARCHIVE_VERSIONS)}")
+        raise ArchiveMalformed(
+            f"archive_version {version!r} is not one this reader knows {sorted(KNOWN_ARCHIVE_VERSIONS)}"
+        )
     programs, aoti = _classify(relative_names)
     _refuse_pickle_streams(zf)
     model_name = _single_model(programs, aoti)

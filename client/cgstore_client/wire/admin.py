@@ -74,12 +74,18 @@ class AdminStats(WireModel):
     records: list[RecordCount] = Field(description="Live records per family, sm and lane, most first.")
     storage: StorageBytes
     top_publishers: list[PublisherCount] = Field(max_length=STATS_TOP_PUBLISHERS)
-    recent_conflicts: list[AuditEntry] = Field(description="Newest publishes refused KEY_CONFLICT.",
-                                               max_length=STATS_RECENT)
-    recent_denials: list[AuditEntry] = Field(description="Newest refusals (DENIED, ROOT_RESERVED, 401s...).",
-                                             max_length=STATS_RECENT)
-    unhealthy: list[RecordSummary] = Field(description="Newest live records the scrub took out of resolve.",
-                                           max_length=STATS_RECENT)
+    recent_conflicts: list[AuditEntry] = Field(
+        description="Newest publishes refused KEY_CONFLICT.", max_length=STATS_RECENT
+    )
+    recent_denials: list[AuditEntry] = Field(
+        description="Newest refusals (DENIED, ROOT_RESERVED, 401s...).", max_length=STATS_RECENT
+    )
+    unhealthy: list[RecordSummary] = Field(
+        description="Newest live records the scrub took out of resolve.", max_length=STATS_RECENT
+    )
     drift_reports: int = Field(0, description="Drift reports over live records.")
-    drifting: list[RecordSummary] = Field(default_factory=list, max_length=STATS_RECENT,
-                                          description="Live records with drift reports, most reported first.")
+    drifting: list[RecordSummary] = Field(
+        default_factory=list,
+        max_length=STATS_RECENT,
+        description="Live records with drift reports, most reported first.",
+    )

@@ -191,7 +191,9 @@ class Cache:
     def require_space(self, size: int) -> None:
         free = shutil.disk_usage(self.root).free
         if size + SPARE_BYTES > free:
-            raise InsufficientSpace(f"{size} bytes to download, {free} free in {self.root} (keeping {SPARE_BYTES} spare)")
+            raise InsufficientSpace(
+                f"{size} bytes to download, {free} free in {self.root} (keeping {SPARE_BYTES} spare)"
+            )
 
     # --- records -----------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ from cgstore_client.worker.client import Client
 from cgstore_client.worker.outcomes import Eager, Loaded, Want
 
 app = typer.Typer(
-    no_args_is_help=True, add_completion=False,
+    no_args_is_help=True,
+    add_completion=False,
     help="The cgstore worker client: resolve, discover, fetch, load, inspect, publish, preflight, verify, cache.",
 )
 cache_app = typer.Typer(no_args_is_help=True, help="Inspect and prune the local cache.")
@@ -50,8 +51,9 @@ def configure(
 
 
 def _client() -> Client:
-    return Client(_options.get("url"), _options.get("token"), cache_dir=_options.get("cache_dir"),
-                  offline=_options.get("offline"))
+    return Client(
+        _options.get("url"), _options.get("token"), cache_dir=_options.get("cache_dir"), offline=_options.get("offline")
+    )
 
 
 def _emit(as_json: bool, document: Any, lines: list[str]) -> None:
@@ -90,8 +92,9 @@ def _progress(as_json: bool, description: str, total: int | None):
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  transient=True) as bar:
+    with Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True
+    ) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
 
@@ -99,9 +102,15 @@ def _progress(as_json: bool, description: str, total: int | None):
 def _result_document(result: Loaded | Eager) -> dict[str, Any]:
     if isinstance(result, Eager):
         return {"key": result.key, "status": "eager", "reason": result.reason}
-    return {"key": result.key, "status": "loaded", "repo": result.repo, "artifact": str(result.artifact_path),
-            "components": {n: str(p) for n, p in result.component_paths.items()},
-            "lane": result.lane, "lane_reason": result.lane_reason}
+    return {
+        "key": result.key,
+        "status": "loaded",
+        "repo": result.repo,
+        "artifact": str(result.artifact_path),
+        "components": {n: str(p) for n, p in result.component_paths.items()},
+        "lane": result.lane,
+        "lane_reason": result.lane_reason,
+    }
 
 
 @app.command()
@@ -114,7 +123,9 @@ def resolve(family: str, keys: list[str], as_json: JsonFlag = False) -> None:
 
 @app.command()
 def fetch(
-    repo: str, digest: str, size: Annotated[int | None, typer.Option(help="Expected size in bytes.")] = None,
+    repo: str,
+    digest: str,
+    size: Annotated[int | None, typer.Option(help="Expected size in bytes.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Download one blob into the cache, verified; print its path."""
@@ -125,7 +136,8 @@ def fetch(
 
 @app.command()
 def load(
-    family: str, keys: list[str],
+    family: str,
+    keys: list[str],
     mandatory: Annotated[list[str] | None, typer.Option(help="A key that must be served compiled.")] = None,
     device_total_bytes: Annotated[int | None, typer.Option(help="This card's total memory, for the lane.")] = None,
     root_only: Annotated[bool, typer.Option(help="Serve only records whose receipt proves them root's.")] = False,
@@ -141,10 +153,13 @@ def load(
 
 @app.command()
 def publish(
-    repo: str, archive: Path,
+    repo: str,
+    archive: Path,
     family: Annotated[str, typer.Option(help="Model family.")],
-    envelope: Annotated[str, typer.Option(help="Envelope as JSON, e.g. '{\"shapes\": [[512, 512]], \"text_len\": 0}'.")],
-    sm: Annotated[str | None, typer.Option(help="The sm the archive was compiled for; default: the archive's own.")] = None,
+    envelope: Annotated[str, typer.Option(help='Envelope as JSON, e.g. \'{"shapes": [[512, 512]], "text_len": 0}\'.')],
+    sm: Annotated[
+        str | None, typer.Option(help="The sm the archive was compiled for; default: the archive's own.")
+    ] = None,
     toolchain: Annotated[str | None, typer.Option(help="Toolchain as JSON; default: this environment's.")] = None,
     lane: Annotated[str | None, typer.Option(help="Kernel lane.")] = None,
     component: Annotated[list[str] | None, typer.Option(help="name=path of a component (repeatable).")] = None,
@@ -155,9 +170,18 @@ def publish(
     """Publish a minted archive (and its components) under its derived key."""
     with _refusals(as_json), _client() as client:
         components = dict(item.split("=", 1) for item in component) if component else None
-        published = client.publish(repo, archive, family=family, envelope=_json_option("envelope", envelope),
-                                   toolchain=_toolchain(toolchain), sm=sm or _archive_sm(archive), lane=lane,
-                                   components=components, release=release, code=code)
+        published = client.publish(
+            repo,
+            archive,
+            family=family,
+            envelope=_json_option("envelope", envelope),
+            toolchain=_toolchain(toolchain),
+            sm=sm or _archive_sm(archive),
+            lane=lane,
+            components=components,
+            release=release,
+            code=code,
+        )
     _emit(as_json, {"key": published.key, "status": published.status}, [f"{published.key} {published.status}"])
 
 
@@ -192,7 +216,9 @@ def discover(
     release: Annotated[str | None, typer.Option(help="Only records of this release label.")] = None,
     binding_signature: Annotated[str | None, typer.Option(help="Only records binding these tensors (bs1:…).")] = None,
     code: Annotated[str | None, typer.Option(help="Only records minted from this code (cf1:…).")] = None,
-    explain: Annotated[bool, typer.Option(help="On a miss, say why: the family's records, the nearest's axes.")] = False,
+    explain: Annotated[
+        bool, typer.Option(help="On a miss, say why: the family's records, the nearest's axes.")
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Find the live records of a declaration (what ``client.boot`` asks), best first. Exit 1 on a miss."""
@@ -200,9 +226,15 @@ def discover(
 
     with _refusals(as_json), _client() as client:
         request = discovery.discover_request(
-            family, envelope=_json_option("envelope", envelope), sm=sm or _environment_sm(),
-            toolchain=_toolchain(toolchain), release=release, binding_signature=binding_signature, code=code,
-            explain=explain)
+            family,
+            envelope=_json_option("envelope", envelope),
+            sm=sm or _environment_sm(),
+            toolchain=_toolchain(toolchain),
+            release=release,
+            binding_signature=binding_signature,
+            code=code,
+            explain=explain,
+        )
         found = discovery.discover_answer(client, request)
     answer = found.answer
     lines = [f"{c.key} {c.repo} {c.release or '-'} {c.binding_signature or '-'}" for c in answer.candidates]
@@ -224,9 +256,12 @@ def _environment_sm() -> str:
 @app.command("inspect")
 def inspect_archive(
     archive: Path,
-    envelope: Annotated[str | None, typer.Option(help="Envelope as JSON: derive the key it would publish under.")] = None,
-    toolchain: Annotated[str | None, typer.Option(help="Toolchain as JSON (with --envelope); default: this "
-                                                       "environment's.")] = None,
+    envelope: Annotated[
+        str | None, typer.Option(help="Envelope as JSON: derive the key it would publish under.")
+    ] = None,
+    toolchain: Annotated[
+        str | None, typer.Option(help="Toolchain as JSON (with --envelope); default: this environment's.")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Read an archive as the store will (statically): key, sm, input contract, binding table."""
@@ -242,30 +277,48 @@ def inspect_archive(
             chain = chain if isinstance(chain, Toolchain) else Toolchain(chain)
             key = ck1(report.graph_digest, Envelope.from_dict(_json_option("envelope", envelope)), report.sm, chain)
     signature = signature_from_table(report.binding_table, report.metadata.ties)
-    document = {"key": key, "kind": report.kind, "sm": report.sm, "graph_digest": report.graph_digest,
-                "binding_signature": signature, "input_contract": report.input_contract,
-                "binding_table": report.binding_table}
+    document = {
+        "key": key,
+        "kind": report.kind,
+        "sm": report.sm,
+        "graph_digest": report.graph_digest,
+        "binding_signature": signature,
+        "input_contract": report.input_contract,
+        "binding_table": report.binding_table,
+    }
     _emit(as_json, document, _inspect_lines(document))
 
 
 def _inspect_lines(document: dict[str, Any]) -> list[str]:
     contract = document["input_contract"]
-    lines = [f"key        {document['key'] or '- (give --envelope to derive it)'}",
-             f"kind       {document['kind']}", f"sm         {document['sm']}",
-             f"graph      {document['graph_digest']}", f"binding    {document['binding_signature']}", "inputs"]
-    lines += [f"  {spec['name']}  {spec.get('dtype')}  {spec.get('shape')}  {spec.get('path', '')}"
-              for spec in contract.get("inputs") or []]
-    lines += [f"  {name} in [{bounds.get('min')}, {bounds.get('max')}]"
-              for name, bounds in (contract.get("dims") or {}).items()]
+    lines = [
+        f"key        {document['key'] or '- (give --envelope to derive it)'}",
+        f"kind       {document['kind']}",
+        f"sm         {document['sm']}",
+        f"graph      {document['graph_digest']}",
+        f"binding    {document['binding_signature']}",
+        "inputs",
+    ]
+    lines += [
+        f"  {spec['name']}  {spec.get('dtype')}  {spec.get('shape')}  {spec.get('path', '')}"
+        for spec in contract.get("inputs") or []
+    ]
+    lines += [
+        f"  {name} in [{bounds.get('min')}, {bounds.get('max')}]"
+        for name, bounds in (contract.get("dims") or {}).items()
+    ]
     lines.append("binding table (fqn, dtype, shape, kind)")
-    lines += [f"  {row['fqn']}  {row.get('dtype')}  {row.get('shape')}  {row.get('kind')}"
-              for row in document["binding_table"]]
+    lines += [
+        f"  {row['fqn']}  {row.get('dtype')}  {row.get('shape')}  {row.get('kind')}"
+        for row in document["binding_table"]
+    ]
     return lines
 
 
 @app.command()
 def preflight(
-    repo: str, min_ttl_s: Annotated[int, typer.Option(help="Seconds the token must stay valid.")] = 300,
+    repo: str,
+    min_ttl_s: Annotated[int, typer.Option(help="Seconds the token must stay valid.")] = 300,
     as_json: JsonFlag = False,
 ) -> None:
     """Check this token could publish to the repo now (and for min-ttl-s)."""
@@ -281,8 +334,11 @@ def verify(as_json: JsonFlag = False) -> None:
     good, bad = [], []
     for digest, _path in list(client.cache.blobs()):
         (good if client.cache.rehash(digest) else bad).append(digest)
-    _emit(as_json, {"verified": good, "removed": bad},
-          [f"{len(good)} blobs verified, {len(bad)} removed", *(f"removed {d}" for d in bad)])
+    _emit(
+        as_json,
+        {"verified": good, "removed": bad},
+        [f"{len(good)} blobs verified, {len(bad)} removed", *(f"removed {d}" for d in bad)],
+    )
     if bad:
         raise typer.Exit(1)
 
@@ -292,8 +348,14 @@ def cache_ls(as_json: JsonFlag = False) -> None:
     """List cached blobs: digest, size, last use."""
     client = _client()
     rows = [{"digest": d, "size": p.stat().st_size, "last_used": p.stat().st_atime} for d, p in client.cache.blobs()]
-    _emit(as_json, rows, [f"{r['digest']} {r['size']:>14} {time.strftime('%Y-%m-%d %H:%M', time.localtime(r['last_used']))}"
-                          for r in rows])
+    _emit(
+        as_json,
+        rows,
+        [
+            f"{r['digest']} {r['size']:>14} {time.strftime('%Y-%m-%d %H:%M', time.localtime(r['last_used']))}"
+            for r in rows
+        ],
+    )
 
 
 def _duration_s(text: str) -> float:

@@ -131,8 +131,9 @@ class Client:
         self.retry = retry or Retry()
         self.receipt_verifier = receipt_verifier
         self.limits = limits if limits is not None else Limits.from_env()
-        self.trust = TrustPin.parse(trusted_jwks if trusted_jwks is not None
-                                    else os.environ.get("CGSTORE_TRUSTED_JWKS", "").strip() or None)
+        self.trust = TrustPin.parse(
+            trusted_jwks if trusted_jwks is not None else os.environ.get("CGSTORE_TRUSTED_JWKS", "").strip() or None
+        )
         self.chunked_threshold = CHUNKED_THRESHOLD if chunked_threshold is None else chunked_threshold
         connections = _positive("CGSTORE_DOWNLOAD_CONNECTIONS", download_connections, DEFAULT_CONNECTIONS)
         part_bytes = _positive("CGSTORE_DOWNLOAD_PART_BYTES", download_part_bytes, DEFAULT_PART_BYTES)
@@ -216,7 +217,9 @@ class Client:
                 future.result()
         return hashed
 
-    def upload_blob(self, repo: str, path: str | os.PathLike[str], *, digest: str | None = None, size: int | None = None) -> str:
+    def upload_blob(
+        self, repo: str, path: str | os.PathLike[str], *, digest: str | None = None, size: int | None = None
+    ) -> str:
         """Upload one file as a blob of ``repo``; resumable from ``chunked_threshold`` bytes. Returns its digest."""
         owner, name = split_repo(repo)
         if digest is None or size is None:
@@ -258,8 +261,11 @@ class Client:
         answer = self.transport.request(
             "PATCH",
             location,
-            headers={"Content-Range": f"{start}-{end - 1}", "Content-Length": str(end - start),
-                     "Content-Type": "application/octet-stream"},
+            headers={
+                "Content-Range": f"{start}-{end - 1}",
+                "Content-Length": str(end - start),
+                "Content-Type": "application/octet-stream",
+            },
             body=lambda: file_chunks(path, start, end),
             retry=False,  # a lost chunk is resumed from the store's offset, not re-sent blindly
         )
@@ -290,7 +296,6 @@ class Client:
         """Raise (``Unauthorized``/``Denied``) unless this token could publish to ``repo`` now and for ``min_ttl_s``."""
         owner, name = split_repo(repo)
         self.transport.request("POST", f"/v1/repos/{owner}/{name}/preflight", params={"min_ttl_s": min_ttl_s})
-
 
     # --- boot --------------------------------------------------------------------------
 
@@ -324,8 +329,10 @@ class Client:
     def _entries(self, family: str, keys: list[str]) -> dict[str, dict[str, Any] | str]:
         """key -> hit entry, or why there is none. Offline (or with the store down) from the cache."""
         if self.offline:
-            return {k: self.cache.read_record(k) or f"{outcomes.OFFLINE_NOT_CACHED}: offline mode, no socket opened"
-                    for k in keys}
+            return {
+                k: self.cache.read_record(k) or f"{outcomes.OFFLINE_NOT_CACHED}: offline mode, no socket opened"
+                for k in keys
+            }
         try:
             answers = self.resolve(family, keys)
         except Unavailable as err:
@@ -417,7 +424,8 @@ class Client:
             if "record" not in entry:
                 # Read where the client says records are: an answer's href could name any host.
                 tasks[entry["key"]] = lambda e=entry: _record(
-                    self.transport.request("GET", record_path(e["repo"], e["key"])).content)
+                    self.transport.request("GET", record_path(e["repo"], e["key"])).content
+                )
 
         def run(name: str) -> Any:
             try:
@@ -472,8 +480,16 @@ class Client:
         """
         from cgstore_client.worker import discovery
 
-        request = discovery.discover_request(family, envelope=envelope, sm=sm, toolchain=toolchain, release=release,
-                                             binding_signature=binding_signature, code=code, limit=limit)
+        request = discovery.discover_request(
+            family,
+            envelope=envelope,
+            sm=sm,
+            toolchain=toolchain,
+            release=release,
+            binding_signature=binding_signature,
+            code=code,
+            limit=limit,
+        )
         return discovery.discover(self, request)
 
     def boot(
@@ -506,8 +522,19 @@ class Client:
         from cgstore_client.worker import discovery
 
         return discovery.boot_by_declaration(
-            self, family, model, envelope=envelope, toolchain=toolchain, sm=sm, release=release, code=code,
-            mandatory=mandatory, confirm=confirm, example_inputs=example_inputs, checkpoint=checkpoint, device=device,
+            self,
+            family,
+            model,
+            envelope=envelope,
+            toolchain=toolchain,
+            sm=sm,
+            release=release,
+            code=code,
+            mandatory=mandatory,
+            confirm=confirm,
+            example_inputs=example_inputs,
+            checkpoint=checkpoint,
+            device=device,
         )
 
     # --- publish -----------------------------------------------------------------------
@@ -552,8 +579,10 @@ class Client:
         ]
         manifest["release"], manifest["code"] = release, code
         body = Manifest.model_validate(manifest).model_dump(mode="json", exclude_none=True)
-        answer = parse_answer(PublishAnswer, self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}",
-                                                               json=body).content)
+        answer = parse_answer(
+            PublishAnswer,
+            self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}", json=body).content,
+        )
         return Published(answer.key, answer.status, answer.receipt)
 
 

@@ -72,6 +72,7 @@ class Client(Protocol):
 
     def read_record(self, repo: str, key: str) -> dict[str, Any]: ...
 
+
 # Booted.confirmation values.
 PENDING = "pending"
 CONFIRMED = "confirmed"
@@ -98,8 +99,15 @@ class Booted:
     example inputs, ``confirm="never"``, or an export that failed in the background).
     """
 
-    def __init__(self, model: Callable[..., Any], *, compiled: Callable[..., Any] | None = None,
-                 loaded: Loaded | None = None, reason: str | None = None, confirmation: str = SKIPPED) -> None:
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        *,
+        compiled: Callable[..., Any] | None = None,
+        loaded: Loaded | None = None,
+        reason: str | None = None,
+        confirmation: str = SKIPPED,
+    ) -> None:
         self.model = model
         self.loaded = loaded
         self.reason = reason
@@ -133,8 +141,10 @@ class Booted:
 
     def __repr__(self) -> str:
         key = self.loaded.key if self.loaded else None
-        return (f"Booted(compiled={self.compiled}, key={key!r}, confirmation={self.confirmation!r}, "
-                f"served_from={self.served_from!r}, reason={self.reason!r})")
+        return (
+            f"Booted(compiled={self.compiled}, key={key!r}, confirmation={self.confirmation!r}, "
+            f"served_from={self.served_from!r}, reason={self.reason!r})"
+        )
 
 
 # --- discover ------------------------------------------------------------------------------
@@ -155,8 +165,17 @@ def discover_request(
     envelope = envelope if isinstance(envelope, Envelope) else Envelope.from_dict(envelope)
     toolchain = toolchain if isinstance(toolchain, Toolchain) else Toolchain(toolchain)
     axis = ToolchainAxis(components=dict(toolchain.components), recorded=dict(toolchain.recorded))
-    return DiscoverRequest(family=family, envelope=envelope.document, sm=sm, toolchain=axis, release=release,
-                           binding_signature=binding_signature, code=code, limit=limit, explain=explain)
+    return DiscoverRequest(
+        family=family,
+        envelope=envelope.document,
+        sm=sm,
+        toolchain=axis,
+        release=release,
+        binding_signature=binding_signature,
+        code=code,
+        limit=limit,
+        explain=explain,
+    )
 
 
 def discover(client: Client, request: DiscoverRequest) -> list[Candidate]:
@@ -232,8 +251,16 @@ def boot_by_declaration(
     if confirm not in CONFIRM_MODES:
         raise ValueError(f"confirm is one of {CONFIRM_MODES}, not {confirm!r}")
     confirm_each = confirm == "before" and example_inputs is not None
-    booted = _boot(client, family, model, _declaration(family, model, envelope, toolchain, sm, release, code, device),
-                   example_inputs, checkpoint, device, confirm_each)
+    booted = _boot(
+        client,
+        family,
+        model,
+        _declaration(family, model, envelope, toolchain, sm, release, code, device),
+        example_inputs,
+        checkpoint,
+        device,
+        confirm_each,
+    )
     if booted.compiled and confirm == "background" and example_inputs is not None:
         _start_confirmation(client, booted, model, example_inputs, background=True)
     if mandatory and not booted.compiled:
@@ -246,13 +273,21 @@ def _declaration(family, model, envelope, toolchain, sm, release, code, device) 
     from cgstore_client.environment import environment_sm, environment_toolchain
 
     fingerprint = code_fingerprint(model) if code is True else (code or None)
-    return discover_request(family, envelope=envelope, sm=sm or environment_sm(device),
-                            toolchain=toolchain or environment_toolchain(), release=release,
-                            binding_signature=signature_from_module(model), code=fingerprint, explain=True)
+    return discover_request(
+        family,
+        envelope=envelope,
+        sm=sm or environment_sm(device),
+        toolchain=toolchain or environment_toolchain(),
+        release=release,
+        binding_signature=signature_from_module(model),
+        code=fingerprint,
+        explain=True,
+    )
 
 
-def _boot(client, family, model, request: DiscoverRequest, example_inputs, checkpoint, device,
-          confirm_each: bool) -> Booted:
+def _boot(
+    client, family, model, request: DiscoverRequest, example_inputs, checkpoint, device, confirm_each: bool
+) -> Booted:
     """The first candidate through the structural gate (and, with ``confirm_each``, confirmed), else eager."""
     try:
         discovered = discover_answer(client, request)
@@ -270,8 +305,16 @@ def _boot(client, family, model, request: DiscoverRequest, example_inputs, check
     return booted
 
 
-def _serve_first(client, model, request: DiscoverRequest, answer: DiscoverAnswer, example_inputs, checkpoint,
-                 device, confirm_each: bool) -> Booted:
+def _serve_first(
+    client,
+    model,
+    request: DiscoverRequest,
+    answer: DiscoverAnswer,
+    example_inputs,
+    checkpoint,
+    device,
+    confirm_each: bool,
+) -> Booted:
     candidates = answer.candidates
     shapes = _leaf_shapes(example_inputs) if example_inputs is not None else None
     weights = checkpoint if checkpoint is not None else model.state_dict()
@@ -362,8 +405,11 @@ def _tensor_differences(table: list[Mapping[str, Any]], model) -> str:
     """What the binding signatures hash, compared name by name: the record's checkpoint rows against the live state."""
     recorded = {row["fqn"]: (row["dtype"], list(row["shape"] or [])) for row in table if row["source"] == "checkpoint"}
     live = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in model.state_dict().items()}
-    differences = [f"{name} is {live[name]}, recorded {recorded[name]}"
-                   for name in sorted(live.keys() & recorded.keys()) if live[name] != recorded[name]]
+    differences = [
+        f"{name} is {live[name]}, recorded {recorded[name]}"
+        for name in sorted(live.keys() & recorded.keys())
+        if live[name] != recorded[name]
+    ]
     differences += [f"{name} is not recorded" for name in sorted(live.keys() - recorded.keys())]
     differences += [f"{name} is recorded, not in the model" for name in sorted(recorded.keys() - live.keys())]
     shown = "; ".join(differences[:NAMED_DIFFERENCES]) or "the same names, dtypes and shapes"
@@ -416,8 +462,10 @@ def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str
     from cgstore_client.archive import graph_digest_from_program
 
     declared = {spec["path"]: spec["shape"] for spec in contract.get("inputs") or []}
-    dims = {name: torch.export.Dim(name, min=bounds.get("min"), max=bounds.get("max"))
-            for name, bounds in (contract.get("dims") or {}).items()}
+    dims = {
+        name: torch.export.Dim(name, min=bounds.get("min"), max=bounds.get("max"))
+        for name, bounds in (contract.get("dims") or {}).items()
+    }
 
     def dynamic(path, leaf):
         shape = declared.get("args" + pytree.keystr(path)) or []

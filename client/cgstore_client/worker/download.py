@@ -139,8 +139,9 @@ class Floor:
             self.bytes, self.busy_s, self.busy_since = 0, 0.0, now
 
 
-def download(plan: Plan, url: str, token: str | None, size: int | None, out: BinaryIO,
-             progress: Progress | None) -> tuple[str, int]:
+def download(
+    plan: Plan, url: str, token: str | None, size: int | None, out: BinaryIO, progress: Progress | None
+) -> tuple[str, int]:
     """Download ``url`` into ``out`` (an empty file); (blake3 digest, byte count) of what it holds.
 
     Raises :class:`TooLarge` past ``size`` (``max_blob_bytes`` when None) and
@@ -149,8 +150,9 @@ def download(plan: Plan, url: str, token: str | None, size: int | None, out: Bin
     floor = Floor(plan.limits, f"the download of {url.split('?')[0].rsplit('/', 1)[-1]}")
     if size is not None and size > plan.part_bytes and plan.slots.connections > 1:
         try:
-            return _Parallel(plan, _Source(url, token, size, floor.timeout_s), size, out.fileno(), progress,
-                             floor).run()
+            return _Parallel(
+                plan, _Source(url, token, size, floor.timeout_s), size, out.fileno(), progress, floor
+            ).run()
         except _RangesIgnored:
             out.seek(0)
             out.truncate()
@@ -160,8 +162,16 @@ def download(plan: Plan, url: str, token: str | None, size: int | None, out: Bin
 class _Single:
     """One stream: resumes with ``Range`` after a dropped connection, restarts on a 200."""
 
-    def __init__(self, plan: Plan, url: str, token: str | None, size: int | None, out: BinaryIO,
-                 progress: Progress | None, floor: Floor) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        url: str,
+        token: str | None,
+        size: int | None,
+        out: BinaryIO,
+        progress: Progress | None,
+        floor: Floor,
+    ) -> None:
         self.plan, self.url, self.token, self.size, self.out, self.progress = plan, url, token, size, out, progress
         self.floor = floor
         self.bound = size if size is not None else plan.limits.max_blob_bytes
@@ -205,8 +215,10 @@ class _Single:
         if stream.total is not None:
             _check_total(stream, self.size)
             if stream.total > self.bound:
-                raise TooLarge(f"the server serves {stream.total} bytes, more than the bound of {self.bound} "
-                               f"({self._bound_name()}); nothing was read")
+                raise TooLarge(
+                    f"the server serves {stream.total} bytes, more than the bound of {self.bound} "
+                    f"({self._bound_name()}); nothing was read"
+                )
             if self.have == 0:
                 self.plan.cache.require_space(stream.total)
 
@@ -267,8 +279,9 @@ class _Source:
                 return self._checked(stream, start, end)
             url = self.resolved
         try:
-            stream = open_stream(url, self.token if same_origin(url, self.url) else None, start=start, end=end,
-                                 timeout_s=self.timeout_s)
+            stream = open_stream(
+                url, self.token if same_origin(url, self.url) else None, start=start, end=end, timeout_s=self.timeout_s
+            )
         except (Denied, Unauthorized):
             if not self._renew(url):
                 raise
@@ -308,8 +321,9 @@ class _Part:
 class _Parallel:
     """A blob of known size as ranged parts over the client's connection slots, hashed as its prefix grows."""
 
-    def __init__(self, plan: Plan, source: _Source, size: int, fd: int, progress: Progress | None,
-                 floor: Floor) -> None:
+    def __init__(
+        self, plan: Plan, source: _Source, size: int, fd: int, progress: Progress | None, floor: Floor
+    ) -> None:
         self.plan, self.source, self.size, self.fd, self.progress = plan, source, size, fd, progress
         self.floor = floor
         self.parts = [_Part(start, min(start + plan.part_bytes, size)) for start in range(0, size, plan.part_bytes)]
@@ -403,8 +417,9 @@ class _Parallel:
             # At most one byte past the part: a body longer than its Content-Range never overwrites the next part.
             while self.error is None and (n := stream.readinto(buffer[: min(len(buffer), part.end - part.next + 1)])):
                 if part.next + n > part.end:
-                    raise TooLarge(f"bytes {part.start}-{part.end - 1} came with more than "
-                                   f"{part.end - part.start} bytes")
+                    raise TooLarge(
+                        f"bytes {part.start}-{part.end - 1} came with more than {part.end - part.start} bytes"
+                    )
                 _pwrite(self.fd, buffer[:n], part.next)
                 with self.changed:
                     part.have += n

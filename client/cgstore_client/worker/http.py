@@ -71,7 +71,9 @@ def error_for(status: int, body: bytes, retry_after: str | None = None) -> Store
         error = json.loads(body)["error"]
         code, message, detail = str(error["code"]), str(error["message"]), dict(error.get("detail") or {})
     if status in (429, 503) or code == "UNAVAILABLE":
-        return Unavailable(message, status=status, code=code, detail=detail, retry_after_s=parse_retry_after(retry_after))
+        return Unavailable(
+            message, status=status, code=code, detail=detail, retry_after_s=parse_retry_after(retry_after)
+        )
     cls = _BY_STATUS.get(status, Refused if 400 <= status < 500 else Unavailable)
     if cls is Unavailable:  # any other 5xx: a server fault, worth another attempt
         return Unavailable(message, status=status, code=code, detail=detail)
@@ -111,8 +113,9 @@ class Retry:
             return min(retry_after_s, MAX_RETRY_AFTER_S)
         return random.uniform(0, min(self.cap_s, self.base_s * 2 ** (failure - 1)))
 
-    def run(self, attempt: Callable[[], T], *, on_retry: Callable[[], None] | None = None,
-            deadline: Deadline | None = None) -> T:
+    def run(
+        self, attempt: Callable[[], T], *, on_retry: Callable[[], None] | None = None, deadline: Deadline | None = None
+    ) -> T:
         """Call ``attempt`` until it succeeds, raises a non-retryable error, or attempts (or ``deadline``) run out."""
         for failure in range(1, self.attempts + 1):
             try:
@@ -259,8 +262,13 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         self._backend.sleep(seconds)
 
 
-_HTTPCORE_ERRORS = (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError,
-                    httpcore.UnsupportedProtocol, httpcore.ConnectionNotAvailable)
+_HTTPCORE_ERRORS = (
+    httpcore.TimeoutException,
+    httpcore.NetworkError,
+    httpcore.ProtocolError,
+    httpcore.UnsupportedProtocol,
+    httpcore.ConnectionNotAvailable,
+)
 
 
 @contextlib.contextmanager
@@ -302,16 +310,21 @@ class _DeadlineTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         core = httpcore.Request(
             method=request.method,
-            url=httpcore.URL(scheme=request.url.raw_scheme, host=request.url.raw_host, port=request.url.port,
-                             target=request.url.raw_path),
+            url=httpcore.URL(
+                scheme=request.url.raw_scheme,
+                host=request.url.raw_host,
+                port=request.url.port,
+                target=request.url.raw_path,
+            ),
             headers=request.headers.raw,
             content=request.stream,
             extensions=request.extensions,
         )
         with _as_httpx_errors():
             answer = self._pool.handle_request(core)
-        return httpx.Response(answer.status, headers=answer.headers, stream=_Body(answer.stream),
-                              extensions=answer.extensions)
+        return httpx.Response(
+            answer.status, headers=answer.headers, stream=_Body(answer.stream), extensions=answer.extensions
+        )
 
     def close(self) -> None:
         self._pool.close()
@@ -326,8 +339,9 @@ _BODY_ENCODING_HEADERS = frozenset({"content-encoding", "content-length", "trans
 class Transport:
     """The JSON API over httpx: base URL, bearer token, deadlines, bounded answers, retries, typed errors."""
 
-    def __init__(self, base_url: str, token: str | None, *, retry: Retry | None = None,
-                 limits: Limits | None = None) -> None:
+    def __init__(
+        self, base_url: str, token: str | None, *, retry: Retry | None = None, limits: Limits | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.retry = retry or Retry()
@@ -336,8 +350,14 @@ class Transport:
         # No default Authorization header: it is added per request, once the target is known to be the store.
         # Identity bodies: the answer bound then counts what was sent, not what a few compressed bytes inflate to.
         # No environment proxies (trust_env): every call goes through the deadline transport, as blobs go direct.
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, follow_redirects=False, trust_env=False,
-                                  headers={"Accept-Encoding": "identity"}, transport=_DeadlineTransport())
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=timeout,
+            follow_redirects=False,
+            trust_env=False,
+            headers={"Accept-Encoding": "identity"},
+            transport=_DeadlineTransport(),
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -350,8 +370,10 @@ class Transport:
         """
         url = self.base_url + path if path.startswith("/") and not path.startswith("//") else path
         if not same_origin(url, self.base_url):
-            raise Refused(f"refusing to send a request to {_shown(url)!r}: not the store's origin "
-                          f"({self.base_url}), and the token goes nowhere else")
+            raise Refused(
+                f"refusing to send a request to {_shown(url)!r}: not the store's origin "
+                f"({self.base_url}), and the token goes nowhere else"
+            )
         return url
 
     def request(
@@ -378,8 +400,9 @@ class Transport:
             with deadline.applied():
                 deadline.check()
                 try:
-                    response = self._send(method, url, what, json=json, params=params, headers=headers,
-                                          content=body() if body else None)
+                    response = self._send(
+                        method, url, what, json=json, params=params, headers=headers, content=body() if body else None
+                    )
                 except httpx.TransportError as err:
                     if deadline.remaining() <= 0:
                         raise deadline.exceeded() from err
@@ -411,14 +434,18 @@ class Transport:
         bound = self.limits.max_answer_bytes
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > bound:
-            raise TooLarge(f"the answer to {what} declares {declared} bytes, more than the client's bound of "
-                           f"{bound} (CGSTORE_MAX_ANSWER_BYTES)")
+            raise TooLarge(
+                f"the answer to {what} declares {declared} bytes, more than the client's bound of "
+                f"{bound} (CGSTORE_MAX_ANSWER_BYTES)"
+            )
         chunks, total = [], 0
         for chunk in response.iter_bytes():
             total += len(chunk)
             if total > bound:
-                raise TooLarge(f"the answer to {what} is larger than the client's bound of {bound} bytes "
-                               "(CGSTORE_MAX_ANSWER_BYTES); reading stopped there")
+                raise TooLarge(
+                    f"the answer to {what} is larger than the client's bound of {bound} bytes "
+                    "(CGSTORE_MAX_ANSWER_BYTES); reading stopped there"
+                )
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -455,8 +482,9 @@ class Stream:
         self.connection.close()
 
 
-def open_stream(url: str, token: str | None, *, start: int = 0, end: int | None = None,
-                timeout_s: float = READ_TIMEOUT_S) -> Stream:
+def open_stream(
+    url: str, token: str | None, *, start: int = 0, end: int | None = None, timeout_s: float = READ_TIMEOUT_S
+) -> Stream:
     """GET ``url`` (bytes ``[start, end)``), following redirects; the token only goes to ``url``'s own host.
 
     Each hop's status line and headers arrive within ``timeout_s`` however they trickle, and
@@ -492,8 +520,9 @@ def _origin(url: str) -> tuple[str, str | None, int | None]:
     return parts.scheme, parts.hostname, parts.port
 
 
-def _get(url: str, headers: dict[str, str],
-         timeout_s: float) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+def _get(
+    url: str, headers: dict[str, str], timeout_s: float
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise Refused(f"cannot download from {url.split('?')[0]!r}")

@@ -208,8 +208,9 @@ def load_compiled(loaded: Bindable, checkpoint: Checkpoint, *, device: str = "cp
         compiled = torch._inductor.aoti_load_package(package)
     with ExitStack() as stack:
         components = _open_tensors(loaded.component_paths.values(), stack)
-        binder = _Binder(report.binding_table, report.metadata.ties, _Lazy(components),
-                         _checkpoint_tensors(checkpoint, stack))
+        binder = _Binder(
+            report.binding_table, report.metadata.ties, _Lazy(components), _checkpoint_tensors(checkpoint, stack)
+        )
         constants = binder.bind(compiled.get_constant_fqns())
         compiled.load_constants({name: value.to(device) for name, value in constants.items()}, check_full_update=True)
     return compiled

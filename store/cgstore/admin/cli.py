@@ -111,9 +111,22 @@ def ls(
 
 def _summary_table(title: str | None, summaries: Sequence[RecordSummary]) -> _Grid:
     return _table(
-        title, ("repo", "key", "family", "sm", "lane", "health", "drift", "publisher", "created (UTC)"),
-        ((_repo_cell(s), s.key, s.family, s.sm, s.lane, s.health, str(s.drift_reports), s.publisher,
-          _when(s.created_at)) for s in summaries),
+        title,
+        ("repo", "key", "family", "sm", "lane", "health", "drift", "publisher", "created (UTC)"),
+        (
+            (
+                _repo_cell(s),
+                s.key,
+                s.family,
+                s.sm,
+                s.lane,
+                s.health,
+                str(s.drift_reports),
+                s.publisher,
+                _when(s.created_at),
+            )
+            for s in summaries
+        ),
     )
 
 
@@ -141,13 +154,20 @@ def show(
 def _record_table(record: Record) -> _Grid:
     manifest = record.manifest
     rows = [
-        ("repo", record.repo), ("key", record.key), ("health", record.health),
-        ("family", manifest.family), ("lane", manifest.lane), ("sm", manifest.axes.sm),
-        ("kind/format", f"{manifest.kind}/{manifest.format}"), ("graph", manifest.axes.graph),
+        ("repo", record.repo),
+        ("key", record.key),
+        ("health", record.health),
+        ("family", manifest.family),
+        ("lane", manifest.lane),
+        ("sm", manifest.axes.sm),
+        ("kind/format", f"{manifest.kind}/{manifest.format}"),
+        ("graph", manifest.axes.graph),
         ("artifact", f"{manifest.artifact.digest}  {manifest.artifact.size} bytes"),
         *((f"component {c.name}", f"{c.digest}  {c.size} bytes") for c in manifest.components),
-        ("publisher", record.publisher.principal), ("created (UTC)", _when(record.created_at)),
-        ("release", record.manifest.release or "-"), ("binding signature", record.binding_signature or "-"),
+        ("publisher", record.publisher.principal),
+        ("created (UTC)", _when(record.created_at)),
+        ("release", record.manifest.release or "-"),
+        ("binding signature", record.binding_signature or "-"),
         ("drift reports", str(record.drift_reports)),
     ]
     return _table(None, ("field", "value"), rows)
@@ -167,13 +187,27 @@ def _print_stats(facts: AdminStats) -> None:
     storage = facts.storage
     ratio = "-" if storage.dedup_ratio is None else f"{storage.dedup_ratio:.2f}x"
     _print(
-        _table(f"{facts.live_records} live records", ("family", "sm", "lane", "records"),
-               ((c.family, c.sm, c.lane, str(c.records)) for c in facts.records)),
-        _table("storage", ("blobs", "stored bytes", "referenced bytes", "logical bytes", "dedup"), [
-            (str(storage.blobs), str(storage.stored_bytes), str(storage.referenced_bytes),
-             str(storage.logical_bytes), ratio)]),
-        _table("top publishers", ("publisher", "records"),
-               ((p.publisher, str(p.records)) for p in facts.top_publishers)),
+        _table(
+            f"{facts.live_records} live records",
+            ("family", "sm", "lane", "records"),
+            ((c.family, c.sm, c.lane, str(c.records)) for c in facts.records),
+        ),
+        _table(
+            "storage",
+            ("blobs", "stored bytes", "referenced bytes", "logical bytes", "dedup"),
+            [
+                (
+                    str(storage.blobs),
+                    str(storage.stored_bytes),
+                    str(storage.referenced_bytes),
+                    str(storage.logical_bytes),
+                    ratio,
+                )
+            ],
+        ),
+        _table(
+            "top publishers", ("publisher", "records"), ((p.publisher, str(p.records)) for p in facts.top_publishers)
+        ),
         _entries_table("recent conflicts", facts.recent_conflicts),
         _entries_table("recent denials", facts.recent_denials),
         _summary_table(f"unhealthy records ({len(facts.unhealthy)} newest)", facts.unhealthy),
@@ -182,8 +216,11 @@ def _print_stats(facts: AdminStats) -> None:
 
 
 def _entries_table(title: str, entries: Sequence[AuditEntry]) -> _Grid:
-    return _table(title, ("at (UTC)", "actor", "action", "target", "outcome"),
-                  ((_when(e.at), e.actor, e.action, e.target, e.outcome) for e in entries))
+    return _table(
+        title,
+        ("at (UTC)", "actor", "action", "target", "outcome"),
+        ((_when(e.at), e.actor, e.action, e.target, e.outcome) for e in entries),
+    )
 
 
 def _echo_json(items: Iterable) -> None:

@@ -15,8 +15,6 @@ router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
 
 @router.get("/stats", response_model=AdminStats)
-async def stats(
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)
-) -> AdminStats:
+async def stats(claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context)) -> AdminStats:
     """Admin views: records per family, sm and lane; bytes and dedup; top publishers; recent denials (admin)."""
     return await run_in_threadpool(service.read_stats, ctx, claims)

@@ -75,11 +75,16 @@ def stats(session: Session) -> AdminStats:
         top_publishers=publishers,
         recent_conflicts=_recent(session, AuditEvent.outcome == KeyConflict.code),
         recent_denials=_recent(session, AuditEvent.outcome.not_in(["ok", KeyConflict.code])),
-        unhealthy=_summaries(session, select(CompiledGraph, Repo).where(CompiledGraph.health != HEALTH_OK),
-                             STATS_RECENT),
+        unhealthy=_summaries(
+            session, select(CompiledGraph, Repo).where(CompiledGraph.health != HEALTH_OK), STATS_RECENT
+        ),
         drift_reports=session.scalar(select(func.coalesce(func.sum(CompiledGraph.drift_reports), 0)).where(_LIVE)),
-        drifting=_summaries(session, select(CompiledGraph, Repo).where(CompiledGraph.drift_reports > 0),
-                            STATS_RECENT, most=CompiledGraph.drift_reports.desc()),
+        drifting=_summaries(
+            session,
+            select(CompiledGraph, Repo).where(CompiledGraph.drift_reports > 0),
+            STATS_RECENT,
+            most=CompiledGraph.drift_reports.desc(),
+        ),
     )
 
 
@@ -88,8 +93,9 @@ def storage_bytes(session: Session) -> StorageBytes:
     live_ids = select(CompiledGraph.id).where(_LIVE)
     artifacts = session.scalar(select(func.coalesce(func.sum(CompiledGraph.artifact_size), 0)).where(_LIVE))
     components = session.scalar(
-        select(func.coalesce(func.sum(CompiledGraphComponent.size), 0))
-        .where(CompiledGraphComponent.record_id.in_(live_ids))
+        select(func.coalesce(func.sum(CompiledGraphComponent.size), 0)).where(
+            CompiledGraphComponent.record_id.in_(live_ids)
+        )
     )
     referenced_digests = union(
         select(CompiledGraph.artifact_digest).where(_LIVE),
@@ -100,7 +106,10 @@ def storage_bytes(session: Session) -> StorageBytes:
     )
     logical = int(artifacts) + int(components)
     return StorageBytes(
-        blobs=blobs, stored_bytes=int(stored), referenced_bytes=int(referenced), logical_bytes=logical,
+        blobs=blobs,
+        stored_bytes=int(stored),
+        referenced_bytes=int(referenced),
+        logical_bytes=logical,
         dedup_ratio=round(logical / referenced, 3) if referenced else None,
     )
 
@@ -108,7 +117,8 @@ def storage_bytes(session: Session) -> StorageBytes:
 def health_counts(session: Session) -> dict[str, int]:
     """Live records per unhealthy state (few rows: the unhealthy records' partial index finds them)."""
     rows = session.execute(
-        select(CompiledGraph.health, func.count()).where(_LIVE, CompiledGraph.health != HEALTH_OK)
+        select(CompiledGraph.health, func.count())
+        .where(_LIVE, CompiledGraph.health != HEALTH_OK)
         .group_by(CompiledGraph.health)
     )
     return {health: n for health, n in rows}
@@ -122,15 +132,25 @@ def _recent(session: Session, condition) -> list:
 def _summaries(session: Session, query, limit: int, most=None) -> list[RecordSummary]:
     """Live records of ``query``, newest first (after ``most``, an ordering, when given)."""
     order = [CompiledGraph.id.desc()] if most is None else [most, CompiledGraph.id.desc()]
-    rows = session.execute(query.join(Repo, Repo.id == CompiledGraph.repo_id).where(_LIVE).order_by(*order).limit(limit))
+    rows = session.execute(
+        query.join(Repo, Repo.id == CompiledGraph.repo_id).where(_LIVE).order_by(*order).limit(limit)
+    )
     return [_summary(row, repo) for row, repo in rows]
 
 
 def _summary(row: CompiledGraph, repo: Repo) -> RecordSummary:
     return RecordSummary(
-        repo=f"{repo.owner}/{repo.name}", key=row.key, family=row.family, sm=row.sm, lane=row.lane,
-        health=row.health, publisher=row.publisher, artifact_digest=row.artifact_digest,
-        artifact_size=row.artifact_size, created_at=row.created_at, drift_reports=row.drift_reports,
+        repo=f"{repo.owner}/{repo.name}",
+        key=row.key,
+        family=row.family,
+        sm=row.sm,
+        lane=row.lane,
+        health=row.health,
+        publisher=row.publisher,
+        artifact_digest=row.artifact_digest,
+        artifact_size=row.artifact_size,
+        created_at=row.created_at,
+        drift_reports=row.drift_reports,
         private=row.scope != "",
     )
 
@@ -157,8 +177,12 @@ def records_page(
     Returns the page and the id the next page starts below (None on the last page).
     """
     query = select(CompiledGraph, Repo).join(Repo, Repo.id == CompiledGraph.repo_id).where(_LIVE)
-    for column, value in ((CompiledGraph.family, where.family), (CompiledGraph.sm, where.sm),
-                          (CompiledGraph.lane, where.lane), (CompiledGraph.publisher, where.publisher)):
+    for column, value in (
+        (CompiledGraph.family, where.family),
+        (CompiledGraph.sm, where.sm),
+        (CompiledGraph.lane, where.lane),
+        (CompiledGraph.publisher, where.publisher),
+    ):
         if value is not None:
             query = query.where(column == value)
     if where.repo is not None:
@@ -200,8 +224,9 @@ def shown(session: Session, key: str, repo: str | None = None) -> list[tuple[Rec
 
     Several in one repo only in a private cache (one per publisher).
     """
-    query = (select(CompiledGraph, Repo).join(Repo, Repo.id == CompiledGraph.repo_id)
-             .where(CompiledGraph.key == key, _LIVE))
+    query = (
+        select(CompiledGraph, Repo).join(Repo, Repo.id == CompiledGraph.repo_id).where(CompiledGraph.key == key, _LIVE)
+    )
     if repo is not None:
         owner, _, name = repo.partition("/")
         query = query.where(Repo.owner == owner, Repo.name == name)

@@ -111,7 +111,9 @@ def append(session: Session, event: AuditEvent) -> None:
     event.digest = entry_digest(event)
     session.add(event)
     session.execute(  # flushes the entry first (autoflush): entry and head commit together
-        update(AuditHead).where(AuditHead.id == HEAD_ID).values(digest=event.digest)
+        update(AuditHead)
+        .where(AuditHead.id == HEAD_ID)
+        .values(digest=event.digest)
         .execution_options(synchronize_session=False)
     )
 
@@ -126,12 +128,25 @@ def checkpoint(session: Session, keys: KeyRing, *, issuer: str) -> AuditCheckpoi
         return None
     kid, private_key = keys.signing_key(session)
     at = utcnow()
-    claims = {"iss": issuer, "aud": CHECKPOINT_AUDIENCE, "iat": int(at.timestamp()),
-              "audit_id": head.last_id, "digest": head.digest, "start": head.start_id}
-    statement = jwt.encode(claims, private_key, algorithm=CHECKPOINT_ALGORITHM,
-                           headers={"kid": kid, "typ": CHECKPOINT_TYP})
-    row = {"audit_id": head.last_id, "digest": head.digest, "at": at, "kid": kid, "statement": statement,
-           "start_id": head.start_id}
+    claims = {
+        "iss": issuer,
+        "aud": CHECKPOINT_AUDIENCE,
+        "iat": int(at.timestamp()),
+        "audit_id": head.last_id,
+        "digest": head.digest,
+        "start": head.start_id,
+    }
+    statement = jwt.encode(
+        claims, private_key, algorithm=CHECKPOINT_ALGORITHM, headers={"kid": kid, "typ": CHECKPOINT_TYP}
+    )
+    row = {
+        "audit_id": head.last_id,
+        "digest": head.digest,
+        "at": at,
+        "kid": kid,
+        "statement": statement,
+        "start_id": head.start_id,
+    }
     if not insert_ignoring_conflicts(session, AuditCheckpoint, **row):
         return None
     return AuditCheckpoint(**row)
@@ -221,8 +236,9 @@ class SavedCheckpoint:
     fault: str | None = None
 
 
-def saved_document(session: Session, public_keys: Callable[[Session], Mapping[str, Ed25519PublicKey]]
-                   = ring_public_keys) -> dict | None:
+def saved_document(
+    session: Session, public_keys: Callable[[Session], Mapping[str, Ed25519PublicKey]] = ring_public_keys
+) -> dict | None:
     """The newest checkpoint as a self-contained JSON document (its JWS and its key's JWK); ``None``: none yet.
 
     The checkpoint must verify against ``public_keys`` first: a forged row is
@@ -237,8 +253,13 @@ def saved_document(session: Session, public_keys: Callable[[Session], Mapping[st
     fault = _checkpoint_fault(row, keys)
     if fault is not None:
         raise SavedCheckpointError(f"the newest checkpoint (entry {row.audit_id}) does not verify: {fault}")
-    return {"audit_id": row.audit_id, "digest": row.digest, "start_id": row.start_id,
-            "statement": row.statement, "jwk": jwk(row.kid, keys[row.kid])}
+    return {
+        "audit_id": row.audit_id,
+        "digest": row.digest,
+        "start_id": row.start_id,
+        "statement": row.statement,
+        "jwk": jwk(row.kid, keys[row.kid]),
+    }
 
 
 def load_saved(document: object, trusted: Mapping[str, Ed25519PublicKey] | None = None) -> SavedCheckpoint:
@@ -300,8 +321,11 @@ class Report:
 
 
 def verify(
-    session: Session, *, since: int | None = None, public_keys: Callable[[Session], Mapping[str, Ed25519PublicKey]]
-    = ring_public_keys, saved: SavedCheckpoint | None = None,
+    session: Session,
+    *,
+    since: int | None = None,
+    public_keys: Callable[[Session], Mapping[str, Ed25519PublicKey]] = ring_public_keys,
+    saved: SavedCheckpoint | None = None,
 ) -> Report:
     """Recompute the chain from entry ``since`` (default: the first) and check every checkpoint from there.
 
@@ -312,8 +336,7 @@ def verify(
     report = Report()
     keys = public_keys(session)
     checkpoints = {
-        row.audit_id: row
-        for row in session.scalars(select(AuditCheckpoint).where(AuditCheckpoint.audit_id >= since))
+        row.audit_id: row for row in session.scalars(select(AuditCheckpoint).where(AuditCheckpoint.audit_id >= since))
     }
     # The head before the walk: entries appended meanwhile are then past it, never "missing" before it.
     head = session.get(AuditHead, HEAD_ID)
@@ -334,8 +357,9 @@ def verify(
     # A checkpointed entry the walk did not come to is missing: before its break, or past the chain's end.
     uncompared = sorted(expected.keys() - walk.compared)
     if chain_break is not None:
-        faults += [chain_break] + [Break(i, f"entry missing ({expected[i][0][1]} names it)")
-                                   for i in uncompared if i < chain_break.id]
+        faults += [chain_break] + [
+            Break(i, f"entry missing ({expected[i][0][1]} names it)") for i in uncompared if i < chain_break.id
+        ]
     else:
         faults += [fault] if (fault := _head_fault(head, walk.chained, start)) else []
         ends = walk.chained.id if walk.chained is not None else None
@@ -348,8 +372,11 @@ def verify(
 
 
 def _chain_start(
-    session: Session, keys: Mapping[str, Ed25519PublicKey], valid: Mapping[int, AuditCheckpoint],
-    saved: SavedCheckpoint | None, head: AuditHead | None,
+    session: Session,
+    keys: Mapping[str, Ed25519PublicKey],
+    valid: Mapping[int, AuditCheckpoint],
+    saved: SavedCheckpoint | None,
+    head: AuditHead | None,
 ) -> tuple[int | None, list[Break]]:
     """Where the chain starts, as signed, and every checkpoint that says otherwise.
 
@@ -359,7 +386,9 @@ def _chain_start(
     """
     start = saved.start_id if saved is not None and saved.fault is None else None
     if start is None:
-        signing = select(AuditCheckpoint).where(AuditCheckpoint.start_id.is_not(None)).order_by(AuditCheckpoint.audit_id)
+        signing = (
+            select(AuditCheckpoint).where(AuditCheckpoint.start_id.is_not(None)).order_by(AuditCheckpoint.audit_id)
+        )
         for row in session.scalars(signing):
             if _checkpoint_fault(row, keys) is None:
                 start = row.start_id
@@ -369,7 +398,8 @@ def _chain_start(
     # The head's own start_id is not compared: unsigned, it matters only once a checkpoint signs it.
     return start, [
         Break(i, f"checkpoint signs another chain start (entry {row.start_id}, not entry {start})")
-        for i, row in valid.items() if row.start_id is not None and row.start_id != start
+        for i, row in valid.items()
+        if row.start_id is not None and row.start_id != start
     ]
 
 
@@ -388,8 +418,12 @@ def _saved_faults(session: Session, saved: SavedCheckpoint, head: AuditHead | No
         faults.append(Break(entry.id, "content edited (its digest differs from the saved checkpoint's)"))
     if head is None or head.last_id < saved.audit_id:
         last = head.last_id if head is not None else 0
-        faults.append(Break(last + 1, f"log truncated (the head names entry {last}, behind the saved checkpoint "
-                                      f"of entry {saved.audit_id})"))
+        faults.append(
+            Break(
+                last + 1,
+                f"log truncated (the head names entry {last}, behind the saved checkpoint of entry {saved.audit_id})",
+            )
+        )
     return faults
 
 
@@ -410,8 +444,9 @@ class _Walk:
     verified (an unchained one never counts as reached).
     """
 
-    def __init__(self, session: Session, report: Report, expected, before: AuditEvent | None,
-                 start: int | None) -> None:
+    def __init__(
+        self, session: Session, report: Report, expected, before: AuditEvent | None, start: int | None
+    ) -> None:
         self.session, self.report, self.expected, self.start = session, report, expected, start
         self.last = before  # the entry the next one must chain to (None: none before)
         self.chained = before if before is not None and before.digest is not None else None

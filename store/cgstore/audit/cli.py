@@ -69,13 +69,17 @@ def _listing(parse_duration):
         jti: Annotated[str | None, typer.Option(help="Only entries made with this token id.")] = None,
         repo: Annotated[str | None, typer.Option(help="Only entries about owner/repo.")] = None,
         action: Annotated[str | None, typer.Option(help="Exact action, or a prefix ending in '*' (token.*).")] = None,
-        target: Annotated[str | None, typer.Option(help="Exact target, or a prefix ending in '*' (acme/models@*).")] = None,
+        target: Annotated[
+            str | None, typer.Option(help="Exact target, or a prefix ending in '*' (acme/models@*).")
+        ] = None,
         outcome: Annotated[str | None, typer.Option(help="ok, or an error code (DENIED, TOKEN_INVALID, ...).")] = None,
         source: Annotated[str | None, typer.Option(help="Only entries from this client address.")] = None,
         since: Annotated[str | None, typer.Option(help="ISO time or a duration ago (15m, 2h, 7d).")] = None,
         until: Annotated[str | None, typer.Option(help="ISO time or a duration ago.")] = None,
         limit: Annotated[int, typer.Option(min=1, max=MAX_AUDIT_PAGE, help="How many of the newest to show.")] = 50,
-        json_lines: Annotated[bool, typer.Option("--json", help="One JSON object per line (GET /v1/audit's entries).")] = False,
+        json_lines: Annotated[
+            bool, typer.Option("--json", help="One JSON object per line (GET /v1/audit's entries).")
+        ] = False,
         follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new entries until Ctrl-C.")] = False,
         interval: Annotated[float, typer.Option(min=0.05, help="Seconds between polls with --follow.")] = 2.0,
     ) -> None:
@@ -84,8 +88,15 @@ def _listing(parse_duration):
             return
 
         where = service.AuditFilter(
-            actor=actor, jti=jti, repo=repo, action=action, target=target, outcome=outcome, source=source,
-            since=moment(since), until=moment(until),
+            actor=actor,
+            jti=jti,
+            repo=repo,
+            action=action,
+            target=target,
+            outcome=outcome,
+            source=source,
+            since=moment(since),
+            until=moment(until),
         )
         db = _database()
         show = _print_json if json_lines else _print_table
@@ -107,15 +118,26 @@ def _listing(parse_duration):
 
 
 def verify(
-    since: Annotated[int | None, typer.Option(min=1, help="Start at this entry (it must chain to the one before).")] = None,
-    keys: Annotated[Path | None, typer.Option(
-        exists=True, dir_okay=False,
-        help="Trust only this JWKS (GET /v1/keys, kept outside the database) for checkpoints, not the key table.",
-    )] = None,
-    since_checkpoint: Annotated[Path | None, typer.Option(
-        "--since-checkpoint", exists=True, dir_okay=False,
-        help="A checkpoint saved earlier (checkpoint --save): fail unless today's log extends it.",
-    )] = None,
+    since: Annotated[
+        int | None, typer.Option(min=1, help="Start at this entry (it must chain to the one before).")
+    ] = None,
+    keys: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="Trust only this JWKS (GET /v1/keys, kept outside the database) for checkpoints, not the key table.",
+        ),
+    ] = None,
+    since_checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--since-checkpoint",
+            exists=True,
+            dir_okay=False,
+            help="A checkpoint saved earlier (checkpoint --save): fail unless today's log extends it.",
+        ),
+    ] = None,
 ) -> None:
     """Recompute the audit chain and check its signed checkpoints; exit 1 naming the first broken entry."""
     pinned = None if keys is None else _read_jwks(keys)
@@ -153,19 +175,29 @@ def _read_jwks(path: Path) -> dict:
 def _read_saved(path: Path, pinned: dict | None) -> chain.SavedCheckpoint:
     """The saved checkpoint, its signature checked against ``--keys`` when given, else against the file's JWK."""
     try:
-        return chain.load_saved(_read_json(path, "--since-checkpoint"),
-                                None if pinned is None else chain.jwks_keys(pinned))
+        return chain.load_saved(
+            _read_json(path, "--since-checkpoint"), None if pinned is None else chain.jwks_keys(pinned)
+        )
     except chain.SavedCheckpointError as err:
         raise typer.BadParameter(f"{path}: {err}", param_hint="--since-checkpoint") from None
 
 
 def checkpoint(
-    save: Annotated[Path | None, typer.Option(
-        dir_okay=False, help="Also write the newest signed checkpoint to this file (verify --since-checkpoint).",
-    )] = None,
-    keys: Annotated[Path | None, typer.Option(
-        exists=True, dir_okay=False, help="With --save: the checkpoint must verify against this JWKS, not the key table.",
-    )] = None,
+    save: Annotated[
+        Path | None,
+        typer.Option(
+            dir_okay=False,
+            help="Also write the newest signed checkpoint to this file (verify --since-checkpoint).",
+        ),
+    ] = None,
+    keys: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="With --save: the checkpoint must verify against this JWKS, not the key table.",
+        ),
+    ] = None,
 ) -> None:
     """Sign the audit chain's head now with the key ring's current key (and save the newest checkpoint)."""
     from cgstore.settings import Settings

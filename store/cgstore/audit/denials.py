@@ -146,19 +146,39 @@ class DenialLog:
                 aggregate = self._pending[key] = _Aggregate(now, now, path)
             aggregate.add(now, message, path)
 
-    def defer(self, *, actor: str, jti: str | None, action: str, target: str, repo: str | None, outcome: str,
-              source: str, message: str, hidden: bool | DenialProbe = True) -> None:
+    def defer(
+        self,
+        *,
+        actor: str,
+        jti: str | None,
+        action: str,
+        target: str,
+        repo: str | None,
+        outcome: str,
+        source: str,
+        message: str,
+        hidden: bool | DenialProbe = True,
+    ) -> None:
         """Queue a miss's row for the next ``flush``, which writes it only when ``hidden`` (a
         denial answered as a miss; a probe: when the probe says so then). No I/O: called on the
         event loop. Absent misses are queued too, so that a hidden one costs exactly what an
         absent one does."""
         with self._lock:
             if len(self._deferred) < self._max_sources:
-                self._deferred.append({
-                    "actor": actor, "jti": jti, "action": action, "target": target[: TARGET_LEN + 1], "repo": repo,
-                    "outcome": outcome, "source": source, "at": utcnow(),
-                    "detail": {"message": message[: DETAIL_STRING_LEN + 1]}, "hidden": hidden,
-                })
+                self._deferred.append(
+                    {
+                        "actor": actor,
+                        "jti": jti,
+                        "action": action,
+                        "target": target[: TARGET_LEN + 1],
+                        "repo": repo,
+                        "outcome": outcome,
+                        "source": source,
+                        "at": utcnow(),
+                        "detail": {"message": message[: DETAIL_STRING_LEN + 1]},
+                        "hidden": hidden,
+                    }
+                )
                 return
         if hidden:  # a probe too: beyond the bound a possible denial is counted rather than lost
             self.count(source=source, outcome=outcome, message=message, path=target, actor=actor, action=action)
@@ -281,8 +301,15 @@ def audit_refusal(
     """
     if denials.first_this_interval(actor, err.code):
         record_denial(
-            db, actor=actor, jti=jti, action=action, target=target, repo=repo, outcome=err.code,
-            source="-", detail={"message": err.message, "detail": err.detail},
+            db,
+            actor=actor,
+            jti=jti,
+            action=action,
+            target=target,
+            repo=repo,
+            outcome=err.code,
+            source="-",
+            detail={"message": err.message, "detail": err.detail},
         )
     else:
         denials.count(source="-", outcome=err.code, message=err.message, path=target, actor=actor, action=action)

@@ -60,7 +60,9 @@ class AuditEvent(Base):
         Index("ix_audit_events_action_id", "action", "id"),
     )
 
-    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True
+    )
     at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False, index=True)
     actor: Mapped[str] = mapped_column(String(ACTOR_LEN), nullable=False, index=True)
     jti: Mapped[str | None] = mapped_column(String(JTI_LEN), nullable=True, index=True)

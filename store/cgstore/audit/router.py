@@ -39,8 +39,14 @@ async def list_audit(
 ) -> AuditPage:
     """The audit log, filtered and keyset-paged: every mutation and every denial (admin)."""
     where = service.AuditFilter(
-        actor=actor, jti=jti, repo=repo, action=action, target=target, outcome=outcome, source=source,
-        since=parse_utc(since, "since"), until=parse_utc(until, "until"),
+        actor=actor,
+        jti=jti,
+        repo=repo,
+        action=action,
+        target=target,
+        outcome=outcome,
+        source=source,
+        since=parse_utc(since, "since"),
+        until=parse_utc(until, "until"),
     )
     return await run_in_threadpool(service.read_page, ctx.db, claims, where, cursor, limit, order == "desc")
-

@@ -322,7 +322,9 @@ def history(session: Session, targets: Sequence[str], limit: int = DEFAULT_PAGE)
     """The newest entries about any of ``targets`` (compared in the stored form), newest first."""
     cleaned = sorted({clean(target, TARGET_LEN) for target in targets})
     events = session.scalars(
-        select(AuditEvent).where(AuditEvent.target.in_(cleaned)).order_by(AuditEvent.id.desc())
+        select(AuditEvent)
+        .where(AuditEvent.target.in_(cleaned))
+        .order_by(AuditEvent.id.desc())
         .limit(max(1, min(limit, MAX_AUDIT_PAGE)))
     )
     return [to_entry(event) for event in events]

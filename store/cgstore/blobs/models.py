@@ -53,9 +53,7 @@ class RepoBlob(Base):
 
     __tablename__ = "repo_blobs"
 
-    repo_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("repos.id", ondelete="CASCADE"), primary_key=True
-    )
+    repo_id: Mapped[int] = mapped_column(Integer, ForeignKey("repos.id", ondelete="CASCADE"), primary_key=True)
     digest: Mapped[str] = mapped_column(String(71), ForeignKey("blobs.digest"), primary_key=True, index=True)
     linked_by: Mapped[str] = mapped_column(String(200), nullable=False)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
@@ -101,9 +99,7 @@ class UploadSession(Base):
     __tablename__ = "upload_sessions"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    repo_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("repos.id", ondelete="CASCADE"), nullable=False
-    )
+    repo_id: Mapped[int] = mapped_column(Integer, ForeignKey("repos.id", ondelete="CASCADE"), nullable=False)
     principal: Mapped[str] = mapped_column(String(200), nullable=False)
     offset: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     storage_state: Mapped[dict] = mapped_column(JSON, nullable=False, default=dict)

@@ -47,8 +47,11 @@ def _upload_headers(owner: str, repo: str, session_id: str, offset: int) -> dict
 
 @router.head("/blobs/{digest}", response_class=Response, responses={200: NO_BODY})
 async def head_blob(
-    owner: str, repo: str, digest: str,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    digest: str,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Whether the repo holds the blob, and its size (a miss and an unreadable blob look alike)."""
     location = await run_in_threadpool(service.locate, ctx, claims, owner, repo, digest)
@@ -57,8 +60,12 @@ async def head_blob(
 
 @router.get("/blobs/{digest}", response_class=Response, responses=_DOWNLOAD_RESPONSES)
 async def get_blob(
-    owner: str, repo: str, digest: str, request: Request,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    digest: str,
+    request: Request,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Download a blob (ranges allowed; on S3, 307 to a presigned URL)."""
     location = await run_in_threadpool(service.locate, ctx, claims, owner, repo, digest)
@@ -80,8 +87,11 @@ async def get_blob(
 
 @router.post("/blobs:missing", response_model=MissingAnswer, openapi_extra=json_body(MissingQuery))
 async def missing_blobs(
-    owner: str, repo: str, request: Request,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    request: Request,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> MissingAnswer:
     """Which of the given digests the repo lacks: what a publisher still has to upload."""
     query = await read_json(request, MissingQuery, ctx.settings.max_json_bytes)
@@ -91,8 +101,12 @@ async def missing_blobs(
 
 @router.put("/blobs/{digest}", status_code=201, response_class=Response)
 async def put_blob(
-    owner: str, repo: str, digest: str, request: Request,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    digest: str,
+    request: Request,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Upload a whole blob; stored only if its blake3 digest and size match."""
     size = await feed_body(request, service.upload(ctx, claims, owner, repo, digest, declared_length(request)))
@@ -105,10 +119,13 @@ def _created_headers(owner: str, repo: str, digest: str, size: int) -> dict[str,
 
 @router.post("/blobs/{digest}:mount", status_code=201, response_class=Response)
 async def mount_blob(
-    owner: str, repo: str, digest: str,
+    owner: str,
+    repo: str,
+    digest: str,
     # No length bound here: the service's name grammar bounds it and answers NAME_INVALID.
     source: str = Query(alias="from"),
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Link a blob the caller can read in another repo into this one, without uploading it."""
     size = await run_in_threadpool(service.mount, ctx, claims, owner, repo, digest, source)
@@ -117,8 +134,10 @@ async def mount_blob(
 
 @router.post("/uploads", status_code=202, response_class=Response)
 async def open_upload(
-    owner: str, repo: str,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Open a resumable upload session."""
     session_id = await run_in_threadpool(service.open_session, ctx, claims, owner, repo)
@@ -127,8 +146,12 @@ async def open_upload(
 
 @router.patch("/uploads/{session_id}", status_code=202, response_class=Response)
 async def upload_chunk(
-    owner: str, repo: str, session_id: str, request: Request,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    session_id: str,
+    request: Request,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Append a chunk at the session's offset (`Upload-Offset`)."""
     content_range = parse_content_range(request.headers.get("content-range"))
@@ -138,8 +161,11 @@ async def upload_chunk(
 
 @router.get("/uploads/{session_id}", status_code=204, response_class=Response)
 async def upload_status(
-    owner: str, repo: str, session_id: str,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    session_id: str,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """The session's offset, to resume after a dropped connection."""
     offset = await run_in_threadpool(service.session_offset, ctx, claims, owner, repo, session_id)
@@ -148,9 +174,13 @@ async def upload_status(
 
 @router.put("/uploads/{session_id}", status_code=201, response_class=Response)
 async def commit_upload(
-    owner: str, repo: str, session_id: str, request: Request,
+    owner: str,
+    repo: str,
+    session_id: str,
+    request: Request,
     digest: str = Query(),  # its grammar (DIGEST_INVALID) bounds it, in the service
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Commit the session as the blob of the given digest, verified."""
     size = await feed_body(request, service.commit_session(ctx, claims, owner, repo, session_id, digest))
@@ -159,8 +189,11 @@ async def commit_upload(
 
 @router.delete("/uploads/{session_id}", status_code=204, response_class=Response)
 async def cancel_upload(
-    owner: str, repo: str, session_id: str,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    session_id: str,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Cancel the session and reclaim its staged bytes."""
     await run_in_threadpool(service.cancel_session, ctx, claims, owner, repo, session_id)

@@ -73,6 +73,7 @@ def validate_digest(digest: str) -> str:
 
 # -- reads ----------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class BlobLocation:
     digest: str
@@ -83,9 +84,7 @@ def locate(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str
     """The blob linked in ``owner/repo``, if the caller may read it; else ``BLOB_UNKNOWN``."""
     validate_digest(digest)
     with ctx.db.session() as session:
-        found = readable_repo(
-            session, claims, owner, repo, BlobUnknown, "blob unknown to this repo", digest=digest
-        )
+        found = readable_repo(session, claims, owner, repo, BlobUnknown, "blob unknown to this repo", digest=digest)
         size = _visible_size(session, claims, found, digest)
     if size is None:
         raise _blob_miss(claims, found, digest)
@@ -101,12 +100,19 @@ def _blob_miss(claims: Claims, target: Repo, digest: str) -> StoreError:
     repo_id = target.id  # read now: the probe runs after this session has closed
 
     def held_by_another(session: Session, at: dt.datetime) -> bool:
-        return session.scalar(
-            select(RepoBlobHolder.principal).where(
-                RepoBlobHolder.repo_id == repo_id, RepoBlobHolder.digest == digest,
-                RepoBlobHolder.principal != reader, RepoBlobHolder.created_at <= at,
-            ).limit(1)
-        ) is not None
+        return (
+            session.scalar(
+                select(RepoBlobHolder.principal)
+                .where(
+                    RepoBlobHolder.repo_id == repo_id,
+                    RepoBlobHolder.digest == digest,
+                    RepoBlobHolder.principal != reader,
+                    RepoBlobHolder.created_at <= at,
+                )
+                .limit(1)
+            )
+            is not None
+        )
 
     return maybe_hidden_miss(BlobUnknown, "blob unknown to this repo", held_by_another, digest=digest)
 
@@ -176,13 +182,16 @@ def missing(ctx: StoreContext, claims: Claims, owner: str, repo: str, digests: l
         validate_digest(digest)
     with ctx.db.session() as session:
         target = writable_repo(session, claims, owner, repo)
-        linked = set() if target is None else {
-            row.digest for row in session.execute(held_blobs(claims, target, list(set(digests))))
-        }
+        linked = (
+            set()
+            if target is None
+            else {row.digest for row in session.execute(held_blobs(claims, target, list(set(digests))))}
+        )
     return [d for d in dict.fromkeys(digests) if d not in linked]
 
 
 # -- monolithic upload ----------------------------------------------------------------
+
 
 def upload(
     ctx: StoreContext,
@@ -245,9 +254,7 @@ def hold_blobs(session: Session, digests: Iterable[str]) -> set[str]:
         .values(linked_at=utcnow())
         .execution_options(synchronize_session=False)
     )
-    held = set(
-        session.scalars(select(Blob.digest).where(Blob.digest.in_(wanted), Blob.collecting_since.is_(None)))
-    )
+    held = set(session.scalars(select(Blob.digest).where(Blob.digest.in_(wanted), Blob.collecting_since.is_(None))))
     return wanted - held
 
 
@@ -262,7 +269,15 @@ def _hold_or_store(session: Session, digest: str, size: int) -> None:
 
 
 def _link(
-    ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, size: int, action: str, *, wrote: bool,
+    ctx: StoreContext,
+    claims: Claims,
+    owner: str,
+    repo: str,
+    digest: str,
+    size: int,
+    action: str,
+    *,
+    wrote: bool,
     **detail,
 ) -> None:
     """Record a verified write: the blob, its link, the repo if this is its first write, the audit.
@@ -294,6 +309,7 @@ def _link(
 
 # -- mount --------------------------------------------------------------------------
 
+
 def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str, source: str) -> int:
     """Link a blob the caller can read in ``source`` into ``owner/repo`` without re-upload."""
     validate_digest(digest)
@@ -306,6 +322,7 @@ def mount(ctx: StoreContext, claims: Claims, owner: str, repo: str, digest: str,
 
 
 # -- resumable upload sessions -------------------------------------------------------
+
 
 def _expiry(ctx: StoreContext) -> dt.datetime:
     return utcnow() + dt.timedelta(seconds=ctx.settings.upload_session_ttl_s)
@@ -351,7 +368,13 @@ def _find_session(ctx: StoreContext, claims: Claims, owner: str, repo: str, sess
         target = writable_repo(session, claims, owner, repo)
         well_formed = SESSION_ID_RE.fullmatch(session_id) is not None
         found = session.get(UploadSession, session_id) if well_formed else None
-    if found is None or target is None or found.repo_id != target.id or found.principal != claims.sub or found.expires_at <= utcnow():
+    if (
+        found is None
+        or target is None
+        or found.repo_id != target.id
+        or found.principal != claims.sub
+        or found.expires_at <= utcnow()
+    ):
         # ascii(): a refused id is echoed escaped (no NUL, no raw non-ASCII) and bounded.
         raise BlobUploadUnknown("no such upload session", session=ascii(session_id)[1:-1][:64])
     return found
@@ -532,7 +555,9 @@ def drop_staging(ctx: StoreContext, session_ids: list[str], heartbeat: Callable[
 
 def open_session_count(ctx: StoreContext) -> int:
     with ctx.db.session() as session:
-        return session.scalar(select(func.count()).select_from(UploadSession).where(UploadSession.expires_at > utcnow()))
+        return session.scalar(
+            select(func.count()).select_from(UploadSession).where(UploadSession.expires_at > utcnow())
+        )
 
 
 @dataclass(frozen=True)
@@ -552,7 +577,9 @@ def growth_per_day(session: Session, since: dt.datetime) -> list[DayGrowth]:
         day = func.date(Blob.created_at)
     rows = session.execute(
         select(day, func.count(), func.coalesce(func.sum(Blob.size), 0))
-        .where(Blob.created_at >= since).group_by(day).order_by(day)
+        .where(Blob.created_at >= since)
+        .group_by(day)
+        .order_by(day)
     )
     return [DayGrowth(_as_date(when), int(n), int(size)) for when, n, size in rows]
 

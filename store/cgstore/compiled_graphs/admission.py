@@ -164,7 +164,9 @@ def _check_kind(manifest: Manifest) -> None:
     if manifest.kind != KIND_AOT_INDUCTOR:
         raise KindUnsupported(f"kind {manifest.kind!r} is not accepted; only {KIND_AOT_INDUCTOR!r}", kind=manifest.kind)
     if manifest.format != FORMAT_PT2:
-        raise KindUnsupported(f"format {manifest.format!r} is not accepted; only {FORMAT_PT2!r}", format=manifest.format)
+        raise KindUnsupported(
+            f"format {manifest.format!r} is not accepted; only {FORMAT_PT2!r}", format=manifest.format
+        )
 
 
 def _check_names(manifest: Manifest) -> None:
@@ -245,7 +247,8 @@ def check_archive(report: ArchiveReport, manifest: Manifest) -> None:
     if report.sm != manifest.axes.sm:
         raise SmMismatch(
             f"the archive was compiled for {report.sm!r}, the manifest says {manifest.axes.sm!r}",
-            measured=report.sm, claimed=manifest.axes.sm,
+            measured=report.sm,
+            claimed=manifest.axes.sm,
         )
     check_envelope_fits(Envelope.from_dict(manifest.axes.envelope), report.input_contract)
 
@@ -275,12 +278,15 @@ def check_envelope_fits(envelope: Envelope, contract: Mapping[str, Any]) -> None
             for size in envelope.batch_sizes:
                 _refuse_unless(_fits(shape[0], size, dims), "batch_sizes", size, name, 0, shape[0], dims)
         if envelope.text_len > 0 and dtype in _INTEGER_DTYPES and len(shape) >= 2:
-            _refuse_unless(_fits(shape[1], envelope.text_len, dims), "text_len", envelope.text_len, name, 1,
-                           shape[1], dims)
+            _refuse_unless(
+                _fits(shape[1], envelope.text_len, dims), "text_len", envelope.text_len, name, 1, shape[1], dims
+            )
         if dtype in _FLOAT_DTYPES and len(shape) == 4:
             for width, height in envelope.shapes:
-                fits = any(_fits(shape[2], height / scale, dims) and _fits(shape[3], width / scale, dims)
-                           for scale in (1, LATENT_SCALE))
+                fits = any(
+                    _fits(shape[2], height / scale, dims) and _fits(shape[3], width / scale, dims)
+                    for scale in (1, LATENT_SCALE)
+                )
                 _refuse_unless(fits, "shapes", [width, height], name, "2:4", shape[2:], dims)
 
 
@@ -306,7 +312,10 @@ def _refuse_unless(fits: bool, axis: str, declared: Any, name: str, at: Any, dim
     held = f"{dim} in [{bounds.get('min')}, {bounds.get('max')}]" if isinstance(bounds, Mapping) else f"{dim}"
     raise EnvelopeInvalid(
         f"envelope {axis} declares {declared}, which the graph cannot take: input {name} dim {at} is {held}",
-        axis=axis, declared=declared, input=name, dim=dim if not isinstance(dim, list) else list(dim),
+        axis=axis,
+        declared=declared,
+        input=name,
+        dim=dim if not isinstance(dim, list) else list(dim),
     )
 
 
@@ -333,10 +342,17 @@ def bind(report: ArchiveReport, headers: Mapping[str, ComponentHeader]) -> list[
         if source is None:
             unbound.append(row["fqn"])
             continue
-        table.append({
-            "name": row["name"], "fqn": row["fqn"], "kind": row["kind"], "dtype": row.get("dtype"),
-            "shape": row.get("shape"), "load_name": row.get("load_name"), "source": source,
-        })
+        table.append(
+            {
+                "name": row["name"],
+                "fqn": row["fqn"],
+                "kind": row["kind"],
+                "dtype": row.get("dtype"),
+                "shape": row.get("shape"),
+                "load_name": row.get("load_name"),
+                "source": source,
+            }
+        )
     if unbound:
         raise ArtifactInvalid(
             "constants whose value is in neither the checkpoint nor a component (a lifted tensor literal, "
@@ -360,7 +376,8 @@ def _component_bindings(
                 raise ContractMismatch(
                     f"component {name!r}: {tensor.name!r} is {tensor.dtype}{list(tensor.shape)}, "
                     f"the program declares {row['dtype']}{row['shape']}",
-                    **where, declared={"dtype": row["dtype"], "shape": row["shape"]},
+                    **where,
+                    declared={"dtype": row["dtype"], "shape": row["shape"]},
                 )
             if tensor.name in bound:
                 raise ContractMismatch(f"{tensor.name!r} is bound by two components", **where)

@@ -46,20 +46,31 @@ NAMED_DIFFERENCES = 4
 SIMILAR_FAMILIES = 3
 
 _WHERE = (CompiledGraph.yanked_at.is_(None), CompiledGraph.health == HEALTH_OK)
-_VISIBILITY_COLUMNS = (Repo.owner, Repo.name, Repo.visibility, Owner.principal.label("holder"),
-                       CompiledGraph.publisher)
+_VISIBILITY_COLUMNS = (Repo.owner, Repo.name, Repo.visibility, Owner.principal.label("holder"), CompiledGraph.publisher)
 
 
 def explain_miss(
-    session: Session, claims: Claims, request: DiscoverRequest, derived: Derived,
+    session: Session,
+    claims: Claims,
+    request: DiscoverRequest,
+    derived: Derived,
     searched: list[access.SearchedRepo],
 ) -> MissExplanation:
     """The explanation of a discover that matched nothing readable, from the readable records of ``searched``."""
     readable = access.readable_in(searched, CompiledGraph.repo_id, CompiledGraph.publisher)
     rows = session.execute(
-        select(*_VISIBILITY_COLUMNS, CompiledGraph.id, CompiledGraph.key, CompiledGraph.sm, CompiledGraph.envelope,
-               CompiledGraph.toolchain, CompiledGraph.recorded_versions, CompiledGraph.release,
-               CompiledGraph.binding_signature, CompiledGraph.code_fingerprint)
+        select(
+            *_VISIBILITY_COLUMNS,
+            CompiledGraph.id,
+            CompiledGraph.key,
+            CompiledGraph.sm,
+            CompiledGraph.envelope,
+            CompiledGraph.toolchain,
+            CompiledGraph.recorded_versions,
+            CompiledGraph.release,
+            CompiledGraph.binding_signature,
+            CompiledGraph.code_fingerprint,
+        )
         .join(Repo, Repo.id == CompiledGraph.repo_id)
         .outerjoin(Owner, Owner.slug == Repo.owner)
         .where(CompiledGraph.family == request.family, readable, *_WHERE)
@@ -70,8 +81,7 @@ def explain_miss(
     readable = [(rank, row) for row in rows if (rank := _rank(claims, row)) is not None]  # all of them, checked
     if not readable:
         similar = _similar_families(session, claims, request.family, searched)
-        return MissExplanation(detail=_nothing_detail(request.family, similar), records=0,
-                               similar_families=similar)
+        return MissExplanation(detail=_nothing_detail(request.family, similar), records=0, similar_families=similar)
     repos = _repos_by_count(row for _, row in readable)
     scored = [(len(diffs := differences(request, derived, row)), rank, -row.id, row, diffs) for rank, row in readable]
     *_, row, diffs = min(scored, key=lambda item: item[:3])
@@ -93,17 +103,20 @@ def differences(request: DiscoverRequest, derived: Derived, row) -> list[AxisDif
     found: list[AxisDifference] = []
     if row.sm != request.sm:
         found.append(AxisDifference(axis="sm", here=request.sm, recorded=row.sm))
-    found += _mapping_differences("envelope", _envelope_fields(derived.envelope.document),
-                                  _envelope_fields(row.envelope))
-    found += _mapping_differences("toolchain", derived.toolchain.components,
-                                  (row.toolchain or {}).get("components") or {})
+    found += _mapping_differences(
+        "envelope", _envelope_fields(derived.envelope.document), _envelope_fields(row.envelope)
+    )
+    found += _mapping_differences(
+        "toolchain", derived.toolchain.components, (row.toolchain or {}).get("components") or {}
+    )
     found += _mapping_differences("library", derived.toolchain.recorded, row.recorded_versions or {})
     # Optional filters: only a value the declaration names can differ (absent matches any).
     if request.release is not None and row.release != request.release:
         found.append(AxisDifference(axis="release", here=request.release, recorded=row.release))
     if request.binding_signature is not None and row.binding_signature != request.binding_signature:
-        found.append(AxisDifference(axis="binding_signature", here=request.binding_signature,
-                                    recorded=row.binding_signature))
+        found.append(
+            AxisDifference(axis="binding_signature", here=request.binding_signature, recorded=row.binding_signature)
+        )
     if request.code is not None and row.code_fingerprint not in (None, request.code):
         found.append(AxisDifference(axis="code", here=request.code, recorded=row.code_fingerprint))
     return found
@@ -114,8 +127,11 @@ def _envelope_fields(document: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _mapping_differences(axis: str, here: Mapping[str, Any], recorded: Mapping[str, Any]) -> list[AxisDifference]:
-    return [AxisDifference(axis=axis, name=name, here=here.get(name), recorded=recorded.get(name))
-            for name in sorted(set(here) | set(recorded)) if here.get(name) != recorded.get(name)]
+    return [
+        AxisDifference(axis=axis, name=name, here=here.get(name), recorded=recorded.get(name))
+        for name in sorted(set(here) | set(recorded))
+        if here.get(name) != recorded.get(name)
+    ]
 
 
 def _repos_by_count(rows: Iterable) -> list[str]:

@@ -79,20 +79,39 @@ class CompiledGraph(Base):
     __tablename__ = "compiled_graphs"
     __table_args__ = (
         # Write-once: at most one live record per key in a repo (per publisher in a private cache).
-        Index("uq_compiled_graphs_live_key", "repo_id", "key", "scope", unique=True,
-              sqlite_where=_LIVE, postgresql_where=_LIVE),
+        Index(
+            "uq_compiled_graphs_live_key",
+            "repo_id",
+            "key",
+            "scope",
+            unique=True,
+            sqlite_where=_LIVE,
+            postgresql_where=_LIVE,
+        ),
         # Resolve: key first (the worker asks by key), then family; then the searched repo and, in a
         # private cache, the reader as publisher: only rows the caller may read are ever touched.
-        Index("ix_compiled_graphs_resolve", "key", "family", "repo_id", "publisher",
-              sqlite_where=_LIVE, postgresql_where=_LIVE),
+        Index(
+            "ix_compiled_graphs_resolve",
+            "key",
+            "family",
+            "repo_id",
+            "publisher",
+            sqlite_where=_LIVE,
+            postgresql_where=_LIVE,
+        ),
         # Listing: keyset pagination by id within a repo (optionally one family).
         Index("ix_compiled_graphs_list", "repo_id", "id", sqlite_where=_LIVE, postgresql_where=_LIVE),
-        Index("ix_compiled_graphs_list_family", "repo_id", "family", "id",
-              sqlite_where=_LIVE, postgresql_where=_LIVE),
+        Index("ix_compiled_graphs_list_family", "repo_id", "family", "id", sqlite_where=_LIVE, postgresql_where=_LIVE),
         # Discover: every match shares the digest; then, as for resolve, the searched repo and the
         # reader (the optional filters narrow only the rows the caller may read).
-        Index("ix_compiled_graphs_discover", "discovery_digest", "repo_id", "publisher",
-              sqlite_where=_LIVE, postgresql_where=_LIVE),
+        Index(
+            "ix_compiled_graphs_discover",
+            "discovery_digest",
+            "repo_id",
+            "publisher",
+            sqlite_where=_LIVE,
+            postgresql_where=_LIVE,
+        ),
         # The admin views' unhealthy records: few rows, found without a scan.
         Index("ix_compiled_graphs_unhealthy", "id", sqlite_where=_UNHEALTHY, postgresql_where=_UNHEALTHY),
     )

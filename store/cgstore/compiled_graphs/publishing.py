@@ -74,8 +74,16 @@ def publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, 
         ctx.metrics.publishes.labels("refused", err.code).inc()
         if err.status in REFUSED_INPUT_STATUSES:
             # 401/403/hidden 404s are audited by the error handler; a refused manifest only here.
-            audit_refusal(ctx.db, ctx.denials, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH,
-                          target=f"{owner}/{repo}:{key}", repo=f"{owner}/{repo}", err=err)
+            audit_refusal(
+                ctx.db,
+                ctx.denials,
+                actor=claims.sub,
+                jti=claims.jti,
+                action=ACTION_PUBLISH,
+                target=f"{owner}/{repo}:{key}",
+                repo=f"{owner}/{repo}",
+                err=err,
+            )
         raise
     ctx.metrics.publishes.labels(published.answer.status, "").inc()
     return published
@@ -201,25 +209,38 @@ def _try_insert(
     with ctx.db.session() as session:
         # The write comes first: SQLite takes its write lock here (no read-then-upgrade
         # race), PostgreSQL waits for a concurrent inserter of the same key to finish.
-        record_id = session.execute(_insert_ignoring_live_conflict(session).values(**values).returning(
-            CompiledGraph.id)).scalar()
+        record_id = session.execute(
+            _insert_ignoring_live_conflict(session).values(**values).returning(CompiledGraph.id)
+        ).scalar()
         if record_id is not None:
             # Signed here, after the write: a key's retirement cannot commit between this
             # signature and the record's (receipts.py), so its re-signing never misses it.
             _stamp(ctx, session, target, row, manifest)
-            session.execute(update(CompiledGraph).where(CompiledGraph.id == record_id)
-                            .values(receipt=row.receipt, receipt_kid=row.receipt_kid))
+            session.execute(
+                update(CompiledGraph)
+                .where(CompiledGraph.id == record_id)
+                .values(receipt=row.receipt, receipt_kid=row.receipt_kid)
+            )
             # In this transaction, so that GC either sees the record's blobs linked now or
             # had condemned them first: then the publish is refused and the insert rolled back.
             condemned = hold_blobs(session, [row.artifact_digest, *(c.digest for c in manifest.components)])
             if condemned:
-                raise BlobReferenceUnknown("the manifest names blobs being garbage-collected", missing=sorted(condemned))
+                raise BlobReferenceUnknown(
+                    "the manifest names blobs being garbage-collected", missing=sorted(condemned)
+                )
             session.add_all(
                 CompiledGraphComponent(record_id=record_id, name=c.name, digest=c.digest, size=c.size)
                 for c in manifest.components
             )
-            audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH, target=target_name,
-                  repo=repo_name, detail={"result": "created", "artifact": row.artifact_digest, "component_set": row.component_set})
+            audit(
+                session,
+                actor=claims.sub,
+                jti=claims.jti,
+                action=ACTION_PUBLISH,
+                target=target_name,
+                repo=repo_name,
+                detail={"result": "created", "artifact": row.artifact_digest, "component_set": row.component_set},
+            )
             crash_point("publish.inserted")  # everything written, nothing committed
             return Published(_publish_answer(target, row, "created"), created=True)
         live = _live_record(session, target.id, row.key, row.scope)
@@ -228,15 +249,25 @@ def _try_insert(
         same = live.artifact_digest == row.artifact_digest and live.component_set == row.component_set
         if same and live.receipt is None:  # published before receipts (revision 0007): vouch for it now
             _stamp(ctx, session, target, live, manifest)
-        detail = {"live": {"artifact": live.artifact_digest, "component_set": live.component_set},
-                  "offered": {"artifact": row.artifact_digest, "component_set": row.component_set}}
-        audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_PUBLISH, target=target_name,
-              repo=repo_name, outcome="ok" if same else KeyConflict.code,
-              detail={"result": "exists"} if same else {"result": "non-reproducible mint", **detail})
+        detail = {
+            "live": {"artifact": live.artifact_digest, "component_set": live.component_set},
+            "offered": {"artifact": row.artifact_digest, "component_set": row.component_set},
+        }
+        audit(
+            session,
+            actor=claims.sub,
+            jti=claims.jti,
+            action=ACTION_PUBLISH,
+            target=target_name,
+            repo=repo_name,
+            outcome="ok" if same else KeyConflict.code,
+            detail={"result": "exists"} if same else {"result": "non-reproducible mint", **detail},
+        )
     if not same:
         raise KeyConflict(
             "this key already holds different bytes (a non-reproducible mint); records are never overwritten",
-            key=row.key, **detail,
+            key=row.key,
+            **detail,
         )
     return Published(_publish_answer(target, live, "exists"), created=False)
 
@@ -244,7 +275,11 @@ def _try_insert(
 def _stamp(ctx: StoreContext, session: Session, target: Repo, row: CompiledGraph, manifest: Manifest) -> None:
     """Sign ``row``'s receipt; ``manifest``'s components are the record's (the same component set)."""
     receipts.stamp(
-        session, ctx.tokens.ring, issuer=ctx.settings.token_issuer, repo=f"{target.owner}/{target.name}", row=row,
+        session,
+        ctx.tokens.ring,
+        issuer=ctx.settings.token_issuer,
+        repo=f"{target.owner}/{target.name}",
+        row=row,
         components=((c.name, c.digest) for c in manifest.components),
     )
 
@@ -259,9 +294,11 @@ def _insert_ignoring_live_conflict(session: Session):
 
 def live_query(repo_id: int, key: str):
     """The live records of ``key`` in a repo, oldest first (several only in a private cache: one per publisher)."""
-    return select(CompiledGraph).where(
-        CompiledGraph.repo_id == repo_id, CompiledGraph.key == key, CompiledGraph.yanked_at.is_(None)
-    ).order_by(CompiledGraph.id)
+    return (
+        select(CompiledGraph)
+        .where(CompiledGraph.repo_id == repo_id, CompiledGraph.key == key, CompiledGraph.yanked_at.is_(None))
+        .order_by(CompiledGraph.id)
+    )
 
 
 def _live_record(session: Session, repo_id: int, key: str, scope: str) -> CompiledGraph | None:
@@ -271,6 +308,9 @@ def _live_record(session: Session, repo_id: int, key: str, scope: str) -> Compil
 
 def _publish_answer(target: Repo, row: CompiledGraph, status: str) -> PublishAnswer:
     return PublishAnswer(
-        status=status, key=row.key, repo=f"{target.owner}/{target.name}",
-        artifact=Artifact(digest=row.artifact_digest, size=row.artifact_size), receipt=row.receipt,
+        status=status,
+        key=row.key,
+        repo=f"{target.owner}/{target.name}",
+        artifact=Artifact(digest=row.artifact_digest, size=row.artifact_size),
+        receipt=row.receipt,
     )

@@ -58,7 +58,12 @@ _RESIGN_BATCH = 500
 
 
 def stamp(
-    session: Session, keys: KeyRing, *, issuer: str, repo: str, row: CompiledGraph,
+    session: Session,
+    keys: KeyRing,
+    *,
+    issuer: str,
+    repo: str,
+    row: CompiledGraph,
     components: Iterable[tuple[str, str]],
 ) -> None:
     """Sign ``row`` (published in ``repo``, with its ``(name, digest)`` components) and keep receipt and kid on it.
@@ -79,7 +84,11 @@ def retire(session: Session, keys: KeyRing, *, issuer: str, kid: str) -> tuple[b
 
 
 def _sign(
-    signer: tuple[str, Ed25519PrivateKey], *, issuer: str, repo: str, row: CompiledGraph,
+    signer: tuple[str, Ed25519PrivateKey],
+    *,
+    issuer: str,
+    repo: str,
+    row: CompiledGraph,
     components: Iterable[tuple[str, str]],
 ) -> None:
     kid, private_key = signer
@@ -120,8 +129,9 @@ def _resign(session: Session, keys: KeyRing, *, issuer: str, retired_kid: str) -
             return count
         components: dict[int, list[tuple[str, str]]] = {}
         for record_id, name, digest in session.execute(
-            select(CompiledGraphComponent.record_id, CompiledGraphComponent.name, CompiledGraphComponent.digest)
-            .where(CompiledGraphComponent.record_id.in_([row.id for row, _, _ in rows]))
+            select(CompiledGraphComponent.record_id, CompiledGraphComponent.name, CompiledGraphComponent.digest).where(
+                CompiledGraphComponent.record_id.in_([row.id for row, _, _ in rows])
+            )
         ):
             components.setdefault(record_id, []).append((name, digest))
         for row, owner, name in rows:
@@ -154,9 +164,13 @@ def check(record: Record, jwks: list[dict[str, str]], *, issuer: str) -> Receipt
         return ReceiptCheck(None, None, False, f"not a JWS: {err}")
     try:
         verify_receipt(
-            record.receipt, {"keys": jwks}, expect_key=record.key, expect_artifact=record.manifest.artifact.digest,
+            record.receipt,
+            {"keys": jwks},
+            expect_key=record.key,
+            expect_artifact=record.manifest.artifact.digest,
             expect_components={c.name: c.digest for c in record.manifest.components},
-            expect_issuer=issuer, expect_repo=record.repo,
+            expect_issuer=issuer,
+            expect_repo=record.repo,
         )
     except ReceiptInvalid as err:
         return ReceiptCheck(kid if isinstance(kid, str) else None, claims, False, str(err))

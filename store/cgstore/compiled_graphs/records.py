@@ -50,8 +50,9 @@ from cgstore_client.wire.records import (
 
 
 def _readable(session: Session, ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str | None) -> Repo:
-    return readable_repo(session, claims, owner, repo, NameUnknown, "no such compiled graph",
-                         **({"key": key[:120]} if key else {}))
+    return readable_repo(
+        session, claims, owner, repo, NameUnknown, "no such compiled graph", **({"key": key[:120]} if key else {})
+    )
 
 
 def _visible(query, claims: Claims, target: Repo):
@@ -89,8 +90,11 @@ def _record_miss(claims: Claims, target: Repo, key: str) -> StoreError:
 
     def published_by_another(session: Session, at: dt.datetime) -> bool:
         live_then = select(CompiledGraph.id).where(
-            CompiledGraph.repo_id == repo_id, CompiledGraph.key == key, CompiledGraph.publisher != reader,
-            CompiledGraph.created_at <= at, or_(CompiledGraph.yanked_at.is_(None), CompiledGraph.yanked_at > at),
+            CompiledGraph.repo_id == repo_id,
+            CompiledGraph.key == key,
+            CompiledGraph.publisher != reader,
+            CompiledGraph.created_at <= at,
+            or_(CompiledGraph.yanked_at.is_(None), CompiledGraph.yanked_at > at),
         )
         return session.scalar(live_then.limit(1)) is not None
 
@@ -98,8 +102,16 @@ def _record_miss(claims: Claims, target: Repo, key: str) -> StoreError:
 
 
 def list_records(
-    ctx: StoreContext, claims: Claims, owner: str, repo: str, *,
-    family: str | None, sm: str | None, lane: str | None, cursor: str | None, limit: int,
+    ctx: StoreContext,
+    claims: Claims,
+    owner: str,
+    repo: str,
+    *,
+    family: str | None,
+    sm: str | None,
+    lane: str | None,
+    cursor: str | None,
+    limit: int,
     release: str | None = None,
 ) -> RecordPage:
     """Live records of a repo, oldest first, keyset-paginated by id; ``cursor`` is opaque (``core.cursors``).
@@ -117,8 +129,12 @@ def list_records(
         query = select(CompiledGraph).where(
             CompiledGraph.repo_id == target.id, CompiledGraph.yanked_at.is_(None), CompiledGraph.id > after
         )
-        filters = ((CompiledGraph.family, family), (CompiledGraph.sm, sm), (CompiledGraph.lane, lane),
-                   (CompiledGraph.release, release))
+        filters = (
+            (CompiledGraph.family, family),
+            (CompiledGraph.sm, sm),
+            (CompiledGraph.lane, lane),
+            (CompiledGraph.release, release),
+        )
         for column, value in filters:
             if value is not None:
                 query = query.where(column == value)
@@ -152,9 +168,7 @@ def _fill_page(
     return RecordPage(records=records, next_cursor=None)
 
 
-def _records_of(
-    session: Session, target: Repo, batches: Iterable[list[CompiledGraph]]
-) -> Iterator[tuple[int, Record]]:
+def _records_of(session: Session, target: Repo, batches: Iterable[list[CompiledGraph]]) -> Iterator[tuple[int, Record]]:
     """Each row's id and record, built one batch at a time (its components in one query) as the page asks."""
     for batch in batches:
         components = components_of(session, [row.id for row in batch])
@@ -184,12 +198,20 @@ def components_of(session: Session, record_ids: list[int]) -> dict[int, list[Com
 def to_record(target: Repo, row: CompiledGraph, components: list[CompiledGraphComponent]) -> Record:
     layout = (
         LayoutStamp(display=row.layout_display, topology=row.layout_topology, quant=row.layout_quant)
-        if row.layout_display is not None else None
+        if row.layout_display is not None
+        else None
     )
     manifest = Manifest(
-        kind=row.kind, format=row.format, family=row.family, lane=row.lane,
-        axes=Axes(graph=row.graph_digest, envelope=row.envelope, sm=row.sm,
-                  toolchain=ToolchainAxis(components=row.toolchain["components"], recorded=row.recorded_versions)),
+        kind=row.kind,
+        format=row.format,
+        family=row.family,
+        lane=row.lane,
+        axes=Axes(
+            graph=row.graph_digest,
+            envelope=row.envelope,
+            sm=row.sm,
+            toolchain=ToolchainAxis(components=row.toolchain["components"], recorded=row.recorded_versions),
+        ),
         artifact=Artifact(digest=row.artifact_digest, size=row.artifact_size),
         components=[ComponentRef(name=c.name, digest=c.digest, size=c.size) for c in components],
         layout=layout,
@@ -199,11 +221,19 @@ def to_record(target: Repo, row: CompiledGraph, components: list[CompiledGraphCo
     )
     yank = Yank(at=row.yanked_at, by=row.yanked_by, reason=row.yank_reason) if row.yanked_at else None
     return Record(
-        key=row.key, repo=f"{target.owner}/{target.name}", manifest=manifest,
-        input_contract=row.input_contract, binding_table=[Binding(**b) for b in row.binding_table],
-        kernel_lane=row.kernel_lane, publisher=Publisher(principal=row.publisher, jti=row.publisher_jti),
-        created_at=row.created_at, health=row.health, yank=yank, receipt=row.receipt,
-        binding_signature=row.binding_signature, drift_reports=row.drift_reports,
+        key=row.key,
+        repo=f"{target.owner}/{target.name}",
+        manifest=manifest,
+        input_contract=row.input_contract,
+        binding_table=[Binding(**b) for b in row.binding_table],
+        kernel_lane=row.kernel_lane,
+        publisher=Publisher(principal=row.publisher, jti=row.publisher_jti),
+        created_at=row.created_at,
+        health=row.health,
+        yank=yank,
+        receipt=row.receipt,
+        binding_signature=row.binding_signature,
+        drift_reports=row.drift_reports,
     )
 
 
@@ -228,12 +258,20 @@ def yank(
             raise NameUnknown("no such compiled graph", key=key[:120])
         now = utcnow()
         session.execute(
-            update(CompiledGraph).where(CompiledGraph.id == live.id)
+            update(CompiledGraph)
+            .where(CompiledGraph.id == live.id)
             .values(yanked_at=now, yanked_by=claims.sub, yank_reason=reason)
         )
         live.yanked_at, live.yanked_by, live.yank_reason = now, claims.sub, reason
-        audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_YANK, target=f"{owner}/{repo}:{key}",
-              repo=f"{owner}/{repo}", detail={"reason": reason, "artifact": live.artifact_digest, "publisher": live.publisher})
+        audit(
+            session,
+            actor=claims.sub,
+            jti=claims.jti,
+            action=ACTION_YANK,
+            target=f"{owner}/{repo}:{key}",
+            repo=f"{owner}/{repo}",
+            detail={"reason": reason, "artifact": live.artifact_digest, "publisher": live.publisher},
+        )
         components = components_of(session, [live.id])
     return to_record(target, live, components.get(live.id, []))
 
@@ -247,6 +285,9 @@ def _yank_target(
     rows = list(session.scalars(query if whose is None else query.where(CompiledGraph.publisher == whose)))
     publishers = sorted({row.publisher for row in rows})
     if len(publishers) > 1:  # only after a visibility change: several tenants' records of one key
-        raise Conflict("several publishers hold a live record of this key: name one with 'publisher'",
-                       key=key, publishers=publishers)
+        raise Conflict(
+            "several publishers hold a live record of this key: name one with 'publisher'",
+            key=key,
+            publishers=publishers,
+        )
     return rows[0] if rows else None  # one publisher's several (a visibility change too): the oldest

@@ -47,9 +47,7 @@ REPORT_WINDOW_S = 60
 MAX_REPORT_REASON_CHARS = 256
 
 
-def report_drift(
-    ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, report: DriftReport
-) -> Record:
+def report_drift(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str, report: DriftReport) -> Record:
     """Count a worker's report that the record's graph is not its live model; audited, never yanks.
 
     Any token that can read the record may report (others get the 404 an absent
@@ -60,17 +58,31 @@ def report_drift(
     limit, and a refused one leaves nothing (its transaction rolls back).
     """
     if len(report.reason) > MAX_REPORT_REASON_CHARS:
-        raise MetadataInvalid(f"reason is longer than {MAX_REPORT_REASON_CHARS} characters",
-                              field="reason", limit=MAX_REPORT_REASON_CHARS)
+        raise MetadataInvalid(
+            f"reason is longer than {MAX_REPORT_REASON_CHARS} characters", field="reason", limit=MAX_REPORT_REASON_CHARS
+        )
     target_name = f"{owner}/{repo}:{key}"
     with ctx.db.session() as session:
         target, live = readable_record(session, ctx, claims, owner, repo, key)
-        session.execute(update(CompiledGraph).where(CompiledGraph.id == live.id)
-                        .values(drift_reports=CompiledGraph.drift_reports + 1))
-        audit(session, actor=claims.sub, jti=claims.jti, action=ACTION_REPORT, target=target_name,
-              repo=f"{owner}/{repo}",
-              detail={"measured_graph": report.measured_graph, "reason": report.reason,
-                      "graph": live.graph_digest, "publisher": live.publisher})
+        session.execute(
+            update(CompiledGraph)
+            .where(CompiledGraph.id == live.id)
+            .values(drift_reports=CompiledGraph.drift_reports + 1)
+        )
+        audit(
+            session,
+            actor=claims.sub,
+            jti=claims.jti,
+            action=ACTION_REPORT,
+            target=target_name,
+            repo=f"{owner}/{repo}",
+            detail={
+                "measured_graph": report.measured_graph,
+                "reason": report.reason,
+                "graph": live.graph_digest,
+                "publisher": live.publisher,
+            },
+        )
         _within_report_limits(session, claims, target_name, live.publisher)
         session.refresh(live)
         components = components_of(session, [live.id])
@@ -88,12 +100,18 @@ def _within_report_limits(session: Session, claims: Claims, target: str, publish
     since = utcnow() - dt.timedelta(seconds=REPORT_WINDOW_S)
     reports = (AuditEvent.action == ACTION_REPORT, AuditEvent.at >= since)
     by_principal = AuditEvent.actor == clean(claims.sub, ACTOR_LEN)
-    on_record = (AuditEvent.target == clean(target, TARGET_LEN),
-                 AuditEvent.detail["publisher"].as_string() == clean(publisher, DETAIL_STRING_LEN))
+    on_record = (
+        AuditEvent.target == clean(target, TARGET_LEN),
+        AuditEvent.detail["publisher"].as_string() == clean(publisher, DETAIL_STRING_LEN),
+    )
     limits = (((by_principal,), REPORTS_PER_WINDOW, "principal"), (on_record, REPORTS_PER_RECORD, "record"))
     for where, limit, per in limits:
         made, oldest = session.execute(select(func.count(), func.min(AuditEvent.at)).where(*reports, *where)).one()
         if made > limit:
             wait = REPORT_WINDOW_S - (utcnow() - oldest).total_seconds()
-            raise RateLimited(f"at most {limit} drift reports per {per} per {REPORT_WINDOW_S} s",
-                              retry_after_s=max(1, math.ceil(wait)), limit=limit, per=per)
+            raise RateLimited(
+                f"at most {limit} drift reports per {per} per {REPORT_WINDOW_S} s",
+                retry_after_s=max(1, math.ceil(wait)),
+                limit=limit,
+                per=per,
+            )

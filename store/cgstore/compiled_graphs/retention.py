@@ -1,5 +1,4 @@
-"""Garbage collection's view of records: which blobs records keep, and forgetting yanked records' links.
-"""
+"""Garbage collection's view of records: which blobs records keep, and forgetting yanked records' links."""
 
 from __future__ import annotations
 

@@ -46,13 +46,19 @@ def _json(model, status_code: int = 200) -> Response:
 
 
 @repo_router.put(
-    "/{key}", response_model=PublishAnswer, status_code=201,
+    "/{key}",
+    response_model=PublishAnswer,
+    status_code=201,
     responses={200: {"model": PublishAnswer, "description": "the same bytes are already published under this key"}},
     openapi_extra=json_body(Manifest),
 )
 async def publish(
-    owner: str, repo: str, key: str, request: Request,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    key: str,
+    request: Request,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Publish a compiled-graph record under its ck1 key (admission checks the archive statically)."""
     manifest = await read_json(request, Manifest, ctx.settings.max_json_bytes)
@@ -62,8 +68,11 @@ async def publish(
 
 @repo_router.get("/{key}", response_model=Record)
 async def get_record(
-    owner: str, repo: str, key: str,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    key: str,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """The live record of a key in this repo."""
     return _json(await run_in_threadpool(records.get_record, ctx, claims, owner, repo, key))
@@ -71,18 +80,29 @@ async def get_record(
 
 @repo_router.get("", response_model=RecordPage)
 async def list_records(
-    owner: str, repo: str,
+    owner: str,
+    repo: str,
     family: str | None = Query(None, max_length=100),
     sm: str | None = Query(None, max_length=128),
     lane: str | None = Query(None, max_length=64),
     release: str | None = Query(None, max_length=MAX_RELEASE_CHARS),
     cursor: str | None = Query(None, max_length=CURSOR_LEN),
     limit: Annotated[QueryInt, Query(ge=1, le=MAX_LIST_LIMIT)] = DEFAULT_LIST_LIMIT,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """The repo's live records, newest first, paged."""
     page = await run_in_threadpool(
-        records.list_records, ctx, claims, owner, repo, family=family, sm=sm, lane=lane, cursor=cursor, limit=limit,
+        records.list_records,
+        ctx,
+        claims,
+        owner,
+        repo,
+        family=family,
+        sm=sm,
+        lane=lane,
+        cursor=cursor,
+        limit=limit,
         release=release,
     )
     return _json(page)
@@ -90,8 +110,12 @@ async def list_records(
 
 @repo_router.post("/{key}:yank", response_model=Record, openapi_extra=json_body(YankRequest))
 async def yank(
-    owner: str, repo: str, key: str, request: Request,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    key: str,
+    request: Request,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Take a record out of resolve, with a reason (admin)."""
     body = await read_json(request, YankRequest, ctx.settings.max_json_bytes)
@@ -99,12 +123,18 @@ async def yank(
 
 
 @repo_router.post(
-    "/{key}:report", response_model=Record, openapi_extra=json_body(DriftReport),
+    "/{key}:report",
+    response_model=Record,
+    openapi_extra=json_body(DriftReport),
     responses={429: error_doc("too many reports from this token (UNAVAILABLE); retry after Retry-After seconds")},
 )
 async def report_drift(
-    owner: str, repo: str, key: str, request: Request,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    owner: str,
+    repo: str,
+    key: str,
+    request: Request,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Report that a served graph is not the live model (any reader; counted and audited, never yanks)."""
     body = await read_json(request, DriftReport, ctx.settings.max_json_bytes)
@@ -113,7 +143,9 @@ async def report_drift(
 
 @resolve_router.post("/compiled-graphs:resolve", response_model=ResolveAnswer, openapi_extra=json_body(ResolveRequest))
 async def resolve(
-    request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    request: Request,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Look up ck1 keys of a family: the best readable live record of each, or a miss."""
     query = await read_json(request, ResolveRequest, ctx.settings.max_json_bytes)
@@ -133,16 +165,21 @@ def _url_builder(ctx: StoreContext) -> search.UrlsFor:
 
         return presigned
     public_url = ctx.settings.public_url
-    return lambda refs: {ref: public_location(public_url, f"/v1/repos/{ref[0]}/{ref[1]}/blobs/{ref[2]}")
-                         for ref in refs}
+    return lambda refs: {
+        ref: public_location(public_url, f"/v1/repos/{ref[0]}/{ref[1]}/blobs/{ref[2]}") for ref in refs
+    }
 
 
 @resolve_router.post(
-    "/compiled-graphs:discover", response_model=DiscoverAnswer, openapi_extra=json_body(DiscoverRequest),
+    "/compiled-graphs:discover",
+    response_model=DiscoverAnswer,
+    openapi_extra=json_body(DiscoverRequest),
     responses={422: error_doc("a declaration no key could be derived from (ENVELOPE_INVALID, METADATA_INVALID)")},
 )
 async def discover(
-    request: Request, claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    request: Request,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Find live records by declaration (family, envelope, sm, toolchain), without a ck1 key: best first."""
     query = await read_json(request, DiscoverRequest, ctx.settings.max_json_bytes)

@@ -44,11 +44,24 @@ UrlsFor = Callable[[list[BlobRef]], dict[BlobRef, str]]
 
 
 _RESOLVE_COLUMNS = (
-    CompiledGraph.id, CompiledGraph.key, CompiledGraph.kind, CompiledGraph.format, CompiledGraph.family,
-    CompiledGraph.lane, CompiledGraph.sm, CompiledGraph.graph_digest, CompiledGraph.envelope_digest,
-    CompiledGraph.toolchain_digest, CompiledGraph.layout_display, CompiledGraph.layout_topology,
-    CompiledGraph.layout_quant, CompiledGraph.created_at, CompiledGraph.artifact_digest,
-    CompiledGraph.artifact_size, CompiledGraph.receipt, CompiledGraph.repo_id,
+    CompiledGraph.id,
+    CompiledGraph.key,
+    CompiledGraph.kind,
+    CompiledGraph.format,
+    CompiledGraph.family,
+    CompiledGraph.lane,
+    CompiledGraph.sm,
+    CompiledGraph.graph_digest,
+    CompiledGraph.envelope_digest,
+    CompiledGraph.toolchain_digest,
+    CompiledGraph.layout_display,
+    CompiledGraph.layout_topology,
+    CompiledGraph.layout_quant,
+    CompiledGraph.created_at,
+    CompiledGraph.artifact_digest,
+    CompiledGraph.artifact_size,
+    CompiledGraph.receipt,
+    CompiledGraph.repo_id,
 )
 
 
@@ -66,10 +79,20 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for
         if searched:
             # Column rows through Core (the session's connection): the ORM's result
             # machinery has nothing to add to plain columns and cost a tenth of a resolve.
-            best = {row.key: row for row in session.connection().execute(_best_per_key(session, searched, (
-                in_values(session, CompiledGraph.key, sorted(set(request.keys))),
-                CompiledGraph.family == request.family,
-            ), _RESOLVE_COLUMNS))}
+            best = {
+                row.key: row
+                for row in session.connection().execute(
+                    _best_per_key(
+                        session,
+                        searched,
+                        (
+                            in_values(session, CompiledGraph.key, sorted(set(request.keys))),
+                            CompiledGraph.family == request.family,
+                        ),
+                        _RESOLVE_COLUMNS,
+                    )
+                )
+            }
         components = _component_rows(session, [row.id for row in best.values()])
     repos = {repo.id: repo for repo in searched}
     urls = urls_for(_blob_refs(best.values(), repos, components))
@@ -111,8 +134,9 @@ def _best_per_key(
     branches = []
     # One branch per reader (shared repos; private caches), each an index range the database can seek.
     for reader in sorted({repo.reader for repo in searched}, key=lambda reader: reader or ""):
-        readable = access.readable_in([repo for repo in searched if repo.reader == reader],
-                                      CompiledGraph.repo_id, CompiledGraph.publisher)
+        readable = access.readable_in(
+            [repo for repo in searched if repo.reader == reader], CompiledGraph.repo_id, CompiledGraph.publisher
+        )
         branches.append(
             select(CompiledGraph.id, CompiledGraph.key, rank, position)
             # The artifact's blob row must exist: a record never resolves to bytes the database lacks.
@@ -127,8 +151,9 @@ def _best_per_key(
         rows = union_all(*branches).subquery("candidates")
         nth = func.row_number().over(partition_by=rows.c.key, order_by=(rows.c.search_position, rows.c.id))
         ranked = select(rows.c.id, rows.c.search_rank, nth.label("nth")).subquery("ranked")
-    chosen = (select(*columns, ranked.c.search_rank).join(ranked, ranked.c.id == CompiledGraph.id)
-              .where(ranked.c.nth == 1))
+    chosen = (
+        select(*columns, ranked.c.search_rank).join(ranked, ranked.c.id == CompiledGraph.id).where(ranked.c.nth == 1)
+    )
     if limit is None:
         return chosen
     return chosen.order_by(ranked.c.search_rank, CompiledGraph.id.desc()).limit(limit)
@@ -140,16 +165,22 @@ def _per_repo(searched: list[access.SearchedRepo], field: str):
     Integers the plan computed, rendered inline: typed as integers on both
     databases, and no bound parameters beyond the repo ids' own.
     """
-    return case({literal_column(str(int(repo.id))): literal_column(str(int(getattr(repo, field))))
-                 for repo in searched}, value=CompiledGraph.repo_id)
+    return case(
+        {literal_column(str(int(repo.id))): literal_column(str(int(getattr(repo, field)))) for repo in searched},
+        value=CompiledGraph.repo_id,
+    )
 
 
 def _component_rows(session: Session, record_ids: list[int]) -> dict[int, list[tuple[str, str, int]]]:
     """``(name, digest, size)`` of the chosen records' components: always one statement."""
     by_record: dict[int, list[tuple[str, str, int]]] = {}
     rows = session.connection().execute(
-        select(CompiledGraphComponent.record_id, CompiledGraphComponent.name, CompiledGraphComponent.digest,
-               CompiledGraphComponent.size)
+        select(
+            CompiledGraphComponent.record_id,
+            CompiledGraphComponent.name,
+            CompiledGraphComponent.digest,
+            CompiledGraphComponent.size,
+        )
         .join(Blob, Blob.digest == CompiledGraphComponent.digest)
         # A bound array on PostgreSQL (constant statement text): an expanding IN of
         # 128 ids was re-rendered and re-split by the driver on every resolve.
@@ -181,9 +212,26 @@ def _answer(
 
     ``row`` starts with ``_RESOLVE_COLUMNS`` (discover's rows carry more after them).
     """
-    (record_id, record_key, kind, format_, family, lane, sm, graph, envelope_digest, toolchain_digest,
-     layout_display, layout_topology, layout_quant, created_at, artifact_digest, artifact_size, receipt,
-     repo_id) = row[:len(_RESOLVE_COLUMNS)]
+    (
+        record_id,
+        record_key,
+        kind,
+        format_,
+        family,
+        lane,
+        sm,
+        graph,
+        envelope_digest,
+        toolchain_digest,
+        layout_display,
+        layout_topology,
+        layout_quant,
+        created_at,
+        artifact_digest,
+        artifact_size,
+        receipt,
+        repo_id,
+    ) = row[: len(_RESOLVE_COLUMNS)]
     owner, name = repos[repo_id].owner, repos[repo_id].name
     layout = None
     if layout_display is not None:
@@ -193,13 +241,19 @@ def _answer(
         "status": "hit",
         "repo": f"{owner}/{name}",
         "record": {
-            "kind": kind, "format": format_, "family": family, "lane": lane, "sm": sm,
-            "graph": graph, "envelope_digest": envelope_digest,
-            "toolchain_digest": toolchain_digest, "layout": layout,
-            "created_at": created_at, "href": f"/v1/repos/{owner}/{name}/compiled-graphs/{record_key}",
+            "kind": kind,
+            "format": format_,
+            "family": family,
+            "lane": lane,
+            "sm": sm,
+            "graph": graph,
+            "envelope_digest": envelope_digest,
+            "toolchain_digest": toolchain_digest,
+            "layout": layout,
+            "created_at": created_at,
+            "href": f"/v1/repos/{owner}/{name}/compiled-graphs/{record_key}",
         },
-        "artifact": {"digest": artifact_digest, "size": artifact_size,
-                     "url": urls[(owner, name, artifact_digest)]},
+        "artifact": {"digest": artifact_digest, "size": artifact_size, "url": urls[(owner, name, artifact_digest)]},
         "components": [
             {"digest": digest, "size": size, "url": urls[(owner, name, digest)], "name": component_name}
             for component_name, digest, size in components.get(record_id, [])
@@ -223,24 +277,44 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     admission.check_release(request.release)
     admission.check_code(request.code)
     if request.binding_signature is not None and not is_binding_signature(request.binding_signature):
-        raise MetadataInvalid("binding_signature must be 'bs1:' + 64 lowercase hex (cgstore_client.binding)",
-                              binding_signature=request.binding_signature)
+        raise MetadataInvalid(
+            "binding_signature must be 'bs1:' + 64 lowercase hex (cgstore_client.binding)",
+            binding_signature=request.binding_signature,
+        )
     digest = admission.discovery_of(request.family, request.sm, derived)
     with ctx.db.session() as session:
         searched = _search_plan(session, claims)
         chosen = []
         if searched:
-            chosen = session.connection().execute(_best_per_key(
-                session, searched, _discover_match(request, digest),
-                (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release), limit=request.limit,
-            )).all()
+            chosen = (
+                session.connection()
+                .execute(
+                    _best_per_key(
+                        session,
+                        searched,
+                        _discover_match(request, digest),
+                        (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release),
+                        limit=request.limit,
+                    )
+                )
+                .all()
+            )
         components = _component_rows(session, [row.id for row in chosen])
-        miss = explain.explain_miss(session, claims, request, derived, searched) if request.explain and not chosen \
+        miss = (
+            explain.explain_miss(session, claims, request, derived, searched)
+            if request.explain and not chosen
             else None
+        )
     repos = {repo.id: repo for repo in searched}
     urls = urls_for(_blob_refs(chosen, repos, components))
-    found = [{**_answer(row.key, row, repos, components, urls), "binding_signature": row.binding_signature,
-              "release": row.release} for row in chosen]
+    found = [
+        {
+            **_answer(row.key, row, repos, components, urls),
+            "binding_signature": row.binding_signature,
+            "release": row.release,
+        }
+        for row in chosen
+    ]
     answer: dict[str, Any] = {"candidates": found}  # built in ``DiscoverAnswer``'s field order, as resolve's is
     if miss is not None:
         answer["miss"] = miss.model_dump(mode="json")

@@ -39,13 +39,17 @@ def fit_chart(kernel_lane: Mapping[str, Any] | None) -> Markup | None:
     cards = [gib for gib in CARD_SIZES_GIB if gib * GIB <= largest * 1.25] or [CARD_SIZES_GIB[0]]
     scale = _BAR_W / max(largest, max(cards) * GIB)
     height = _TOP + _ROW_H * len(lanes) + 8
-    parts = [f'<svg class="fit" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_LABEL_W + _BAR_W + 70} {height}"'
-             f' width="{_LABEL_W + _BAR_W + 70}" height="{height}" role="img"'
-             f' aria-label="quantized peak per lane against card sizes">']
+    parts = [
+        f'<svg class="fit" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_LABEL_W + _BAR_W + 70} {height}"'
+        f' width="{_LABEL_W + _BAR_W + 70}" height="{height}" role="img"'
+        f' aria-label="quantized peak per lane against card sizes">'
+    ]
     for gib in cards:
         x = _LABEL_W + gib * GIB * scale
-        parts.append(f'<line class="cardsize" x1="{x:.1f}" y1="14" x2="{x:.1f}" y2="{height - 4}"/>'
-                     f'<text class="cardsize" x="{x:.1f}" y="11" text-anchor="middle">{gib} GiB</text>')
+        parts.append(
+            f'<line class="cardsize" x1="{x:.1f}" y1="14" x2="{x:.1f}" y2="{height - 4}"/>'
+            f'<text class="cardsize" x="{x:.1f}" y="11" text-anchor="middle">{gib} GiB</text>'
+        )
     for row, (lane, peak) in enumerate(lanes):
         y = _TOP + row * _ROW_H
         kind = "bar winner" if lane == winner else "bar"
@@ -54,8 +58,8 @@ def fit_chart(kernel_lane: Mapping[str, Any] | None) -> Markup | None:
             f'<text class="lane" x="{_LABEL_W - 6}" y="{y + 13}" text-anchor="end">{escape(lane)}</text>'
             f'<rect class="need" x="{_LABEL_W}" y="{y + 2}" width="{need:.1f}" height="14"/>'
             f'<rect class="{kind}" x="{_LABEL_W}" y="{y + 4}" width="{peak * scale:.1f}" height="10">'
-            f'<title>{escape(lane)}: quantized peak {peak / GIB:.2f} GiB, needs {need / scale / GIB:.2f} GiB</title>'
-            f'</rect>'
+            f"<title>{escape(lane)}: quantized peak {peak / GIB:.2f} GiB, needs {need / scale / GIB:.2f} GiB</title>"
+            f"</rect>"
             f'<text class="value" x="{_LABEL_W + need + 4:.1f}" y="{y + 13}">{peak / GIB:.2f} GiB</text>'
         )
     parts.append("</svg>")
@@ -67,20 +71,23 @@ def growth_chart(days: Sequence[tuple[str, int]]) -> Markup:
     width, height, base = 720, 160, 130
     largest = max((size for _, size in days), default=0) or 1
     step = width / max(len(days), 1)
-    parts = [f'<svg class="growth" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}"'
-             f' width="{width}" height="{height}" role="img" aria-label="bytes stored per day">',
-             f'<line class="axis" x1="0" y1="{base}" x2="{width}" y2="{base}"/>']
+    parts = [
+        f'<svg class="growth" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}"'
+        f' width="{width}" height="{height}" role="img" aria-label="bytes stored per day">',
+        f'<line class="axis" x1="0" y1="{base}" x2="{width}" y2="{base}"/>',
+    ]
     for index, (label, size) in enumerate(days):
         bar = (base - 10) * size / largest
         x = index * step
         parts.append(
             f'<rect class="bar" x="{x + 2:.1f}" y="{base - bar:.1f}" width="{max(step - 4, 1):.1f}" height="{bar:.1f}">'
-            f'<title>{escape(label)}: {size} bytes</title></rect>'
+            f"<title>{escape(label)}: {size} bytes</title></rect>"
         )
         if index == 0:
             parts.append(f'<text class="day" x="{x + 2:.1f}" y="{base + 16}">{escape(label)}</text>')
         elif index == len(days) - 1:  # anchored at its end, so the last label stays inside the frame
-            parts.append(f'<text class="day" x="{x + step - 2:.1f}" y="{base + 16}" text-anchor="end">'
-                         f'{escape(label)}</text>')
+            parts.append(
+                f'<text class="day" x="{x + step - 2:.1f}" y="{base + 16}" text-anchor="end">{escape(label)}</text>'
+            )
     parts.append("</svg>")
     return Markup("".join(parts))

@@ -53,8 +53,10 @@ MAX_FORM_BYTES = 20 * 1024
 #: Longest query value a page accepts (the JSON API's bound).
 MAX_QUERY_CHARS = 1024
 
-CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-       "frame-ancestors 'none'; form-action 'self'; base-uri 'none'")
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "frame-ancestors 'none'; form-action 'self'; base-uri 'none'"
+)
 SECURITY_HEADERS = {
     "content-security-policy": CSP,
     "x-frame-options": "DENY",
@@ -66,14 +68,19 @@ _RAW_HEADERS = [(name.encode(), value.encode()) for name, value in SECURITY_HEAD
 
 _HERE = Path(__file__).parent
 TEMPLATES = Environment(
-    loader=FileSystemLoader(_HERE / "templates"), autoescape=select_autoescape(default=True),
-    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+    loader=FileSystemLoader(_HERE / "templates"),
+    autoescape=select_autoescape(default=True),
+    undefined=StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
 )
 #: The static files, read once: name -> (bytes, media type). Nothing else is served.
 _STATIC = {
     name: ((_HERE / "static" / name).read_bytes(), media_type)
-    for name, media_type in (("console.css", "text/css; charset=utf-8"),
-                             ("console.js", "text/javascript; charset=utf-8"))
+    for name, media_type in (
+        ("console.css", "text/css; charset=utf-8"),
+        ("console.js", "text/javascript; charset=utf-8"),
+    )
 }
 
 
@@ -86,8 +93,11 @@ def _plain(value: Any, indent: str = "") -> str:
     """An audit entry's detail, its strings exactly as stored (already escaped by the audit: JSON would
     escape their backslashes once more), one ``key: value`` a line."""
     if isinstance(value, dict) and value:
-        return "\n".join(f"{indent}{key}:" + ("\n" + _plain(item, indent + "  ") if isinstance(item, dict | list) and item
-                                              else " " + _plain(item)) for key, item in value.items())
+        return "\n".join(
+            f"{indent}{key}:"
+            + ("\n" + _plain(item, indent + "  ") if isinstance(item, dict | list) and item else " " + _plain(item))
+            for key, item in value.items()
+        )
     if isinstance(value, list):
         return "\n".join(f"{indent}- " + _plain(item, indent + "  ").lstrip() for item in value) or "[]"
     if isinstance(value, dict):
@@ -108,8 +118,13 @@ def _bytes(size: int) -> str:
 
 
 TEMPLATES.filters.update(pretty=_pretty, plain=_plain, bytes=_bytes)
-NAV = (("Overview", PREFIX), ("Records", f"{PREFIX}/records"), ("Audit", f"{PREFIX}/audit"),
-       ("Tokens", f"{PREFIX}/tokens"), ("Storage", f"{PREFIX}/storage"))
+NAV = (
+    ("Overview", PREFIX),
+    ("Records", f"{PREFIX}/records"),
+    ("Audit", f"{PREFIX}/audit"),
+    ("Tokens", f"{PREFIX}/tokens"),
+    ("Storage", f"{PREFIX}/storage"),
+)
 
 router = APIRouter(include_in_schema=False)
 
@@ -254,10 +269,12 @@ async def _page(
         return _render(template, 400, claims=claims, view=None, error=err.message, **context)
     route = getattr(request.scope.get("route"), "path", request.url.path)
     target = f"{request.url.path}?{request.url.query}" if request.url.query else request.url.path
-    await run_in_threadpool(service.record_read, ctx, claims, action=f"GET {route}", target=target,
-                            source=_source(request))
-    return _render(template, claims=claims, view=view, next_url=_next_url(request, getattr(view, "next_cursor", None)),
-                   **context)
+    await run_in_threadpool(
+        service.record_read, ctx, claims, action=f"GET {route}", target=target, source=_source(request)
+    )
+    return _render(
+        template, claims=claims, view=view, next_url=_next_url(request, getattr(view, "next_cursor", None)), **context
+    )
 
 
 # -- sign-in and sign-out ------------------------------------------------------------------------
@@ -332,13 +349,25 @@ async def sign_in(request: Request, ctx: StoreContext = Depends(get_context)) ->
     if remaining <= 0:
         return _login_page(401, "That token has expired.")
     if len(token) > MAX_COOKIE_TOKEN:
-        return _login_page(400, f"That token is longer than a browser keeps in a cookie ({MAX_COOKIE_TOKEN} "
-                                "characters): mint an admin token with fewer grants.")
-    await run_in_threadpool(service.record_read, ctx, claims, action=f"POST {LOGIN}", target=LOGIN,
-                            source=_source(request))
+        return _login_page(
+            400,
+            f"That token is longer than a browser keeps in a cookie ({MAX_COOKIE_TOKEN} "
+            "characters): mint an admin token with fewer grants.",
+        )
+    await run_in_threadpool(
+        service.record_read, ctx, claims, action=f"POST {LOGIN}", target=LOGIN, source=_source(request)
+    )
     response = _see_other(request, PREFIX)
-    response.set_cookie(COOKIE, token, max_age=remaining, expires=remaining, path=PREFIX, secure=_secure(request),
-                        httponly=True, samesite="strict")
+    response.set_cookie(
+        COOKIE,
+        token,
+        max_age=remaining,
+        expires=remaining,
+        path=PREFIX,
+        secure=_secure(request),
+        httponly=True,
+        samesite="strict",
+    )
     return response
 
 
@@ -364,8 +393,13 @@ async def static(name: str) -> Response:
 
 @router.get(PREFIX)
 async def overview(request: Request, ctx: StoreContext = Depends(get_context)) -> Response:
-    return await _page(request, ctx, "overview.html", lambda claims: service.overview(ctx, claims),
-                       aggregates_s=ctx.settings.console_aggregates_s)
+    return await _page(
+        request,
+        ctx,
+        "overview.html",
+        lambda claims: service.overview(ctx, claims),
+        aggregates_s=ctx.settings.console_aggregates_s,
+    )
 
 
 RECORD_FILTERS = ("family", "sm", "lane", "repo", "publisher", "health")
@@ -373,15 +407,29 @@ RECORD_FILTERS = ("family", "sm", "lane", "repo", "publisher", "health")
 
 @router.get(f"{PREFIX}/records")
 async def records(request: Request, ctx: StoreContext = Depends(get_context)) -> Response:
-    return await _filtered(request, ctx, "records.html", RECORD_FILTERS, lambda claims, q: service.records(
-        ctx, claims, RecordFilter(**{name: q[name] for name in RECORD_FILTERS}), q["cursor"], q["limit"]))
+    return await _filtered(
+        request,
+        ctx,
+        "records.html",
+        RECORD_FILTERS,
+        lambda claims, q: service.records(
+            ctx, claims, RecordFilter(**{name: q[name] for name in RECORD_FILTERS}), q["cursor"], q["limit"]
+        ),
+    )
 
 
 @router.get(f"{PREFIX}/records/{{owner}}/{{repo}}/{{key}}")
-async def record(owner: str, repo: str, key: str, request: Request,
-                 ctx: StoreContext = Depends(get_context)) -> Response:
-    return await _page(request, ctx, "record.html", lambda claims: service.record(ctx, claims, owner, repo, key),
-                       key=key, repo=f"{owner}/{repo}")
+async def record(
+    owner: str, repo: str, key: str, request: Request, ctx: StoreContext = Depends(get_context)
+) -> Response:
+    return await _page(
+        request,
+        ctx,
+        "record.html",
+        lambda claims: service.record(ctx, claims, owner, repo, key),
+        key=key,
+        repo=f"{owner}/{repo}",
+    )
 
 
 AUDIT_FILTERS = ("actor", "jti", "repo", "action", "outcome", "source", "since", "until")
@@ -391,8 +439,13 @@ AUDIT_FILTERS = ("actor", "jti", "repo", "action", "outcome", "source", "since",
 async def audit_log(request: Request, ctx: StoreContext = Depends(get_context)) -> Response:
     def build(claims: Claims, q: dict[str, str | None]) -> service.AuditView:
         where = AuditFilter(
-            actor=q["actor"], jti=q["jti"], repo=q["repo"], action=q["action"], outcome=q["outcome"],
-            source=q["source"], since=service.parse_moment(q["since"], "since"),
+            actor=q["actor"],
+            jti=q["jti"],
+            repo=q["repo"],
+            action=q["action"],
+            outcome=q["outcome"],
+            source=q["source"],
+            since=service.parse_moment(q["since"], "since"),
             until=service.parse_moment(q["until"], "until"),
         )
         return service.audit_log(ctx, claims, where, q["cursor"], q["limit"])
@@ -402,18 +455,33 @@ async def audit_log(request: Request, ctx: StoreContext = Depends(get_context)) 
 
 @router.get(f"{PREFIX}/tokens")
 async def tokens(request: Request, ctx: StoreContext = Depends(get_context)) -> Response:
-    return await _filtered(request, ctx, "tokens.html", ("sub",),
-                           lambda claims, q: service.tokens(ctx, claims, q["sub"], q["cursor"], q["limit"]))
+    return await _filtered(
+        request,
+        ctx,
+        "tokens.html",
+        ("sub",),
+        lambda claims, q: service.tokens(ctx, claims, q["sub"], q["cursor"], q["limit"]),
+    )
 
 
 @router.get(f"{PREFIX}/storage")
 async def storage(request: Request, ctx: StoreContext = Depends(get_context)) -> Response:
-    return await _page(request, ctx, "storage.html", lambda claims: service.storage(ctx, claims),
-                       aggregates_s=ctx.settings.console_aggregates_s)
+    return await _page(
+        request,
+        ctx,
+        "storage.html",
+        lambda claims: service.storage(ctx, claims),
+        aggregates_s=ctx.settings.console_aggregates_s,
+    )
 
 
-async def _filtered(request: Request, ctx: StoreContext, template: str, filters: tuple[str, ...],
-                    build: Callable[[Claims, dict[str, str | None]], Any]) -> Response:
+async def _filtered(
+    request: Request,
+    ctx: StoreContext,
+    template: str,
+    filters: tuple[str, ...],
+    build: Callable[[Claims, dict[str, str | None]], Any],
+) -> Response:
     """A page with a filter form: the form shows what was asked, even when it was refused."""
     typed = {name: request.query_params.get(name, "") for name in filters}
 

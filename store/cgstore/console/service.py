@@ -181,15 +181,18 @@ def _overview_facts(ctx: StoreContext) -> Overview:
     with ctx.db.session() as session:
         stats = admin.stats(session)
         unhealthy = admin.health_counts(session)
-        publishes = [Publishes.of(name, audit.outcome_counts(session, ACTION_PUBLISH, now - span))
-                     for name, span in WINDOWS]
+        publishes = [
+            Publishes.of(name, audit.outcome_counts(session, ACTION_PUBLISH, now - span)) for name, span in WINDOWS
+        ]
     by_axis: dict[str, dict[str, int]] = {"family": defaultdict(int), "sm": defaultdict(int), "lane": defaultdict(int)}
     for count in stats.records:
         for axis in by_axis:
             by_axis[axis][getattr(count, axis)] += count.records
     return Overview(
         stats=stats,
-        by_axis={axis: sorted(counts.items(), key=lambda item: (-item[1], item[0])) for axis, counts in by_axis.items()},
+        by_axis={
+            axis: sorted(counts.items(), key=lambda item: (-item[1], item[0])) for axis, counts in by_axis.items()
+        },
         publishes=publishes,
         unhealthy_states=sorted(unhealthy.items()),
         computed_at=now,
@@ -256,13 +259,16 @@ def record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str) -
             files += [(c.name, c.digest, c.size) for c in shown.manifest.components]
             # Publish, yank and drift reports name the record; health changes name its blobs.
             targets = [f"{shown.repo}:{shown.key}", *(digest for _, digest, _ in files)]
-            views.append(RecordView(
-                record=shown, private=private,
-                receipt=receipts.check(shown, jwks, issuer=ctx.settings.token_issuer),
-                fit_chart=charts.fit_chart(shown.kernel_lane),
-                history=audit.history(session, targets, HISTORY_ROWS),
-                blobs=files,
-            ))
+            views.append(
+                RecordView(
+                    record=shown,
+                    private=private,
+                    receipt=receipts.check(shown, jwks, issuer=ctx.settings.token_issuer),
+                    fit_chart=charts.fit_chart(shown.kernel_lane),
+                    history=audit.history(session, targets, HISTORY_ROWS),
+                    blobs=files,
+                )
+            )
     return views
 
 
@@ -339,8 +345,13 @@ def storage(ctx: StoreContext, claims: Claims) -> StorageView:
     is_admin(claims).enforce()
     stored, growth, chart, computed_at = _storage_sums.get(ctx)
     return StorageView(
-        storage=stored, growth=growth, growth_chart=chart, computed_at=computed_at,
-        open_uploads=blobs.open_session_count(ctx), leases=leases.list_leases(ctx.db), now=utcnow(),
+        storage=stored,
+        growth=growth,
+        growth_chart=chart,
+        computed_at=computed_at,
+        open_uploads=blobs.open_session_count(ctx),
+        leases=leases.list_leases(ctx.db),
+        now=utcnow(),
     )
 
 
@@ -362,9 +373,17 @@ _storage_sums = Aggregates(_storage_facts)
 # -- the audit of console reads ------------------------------------------------------------
 
 
-def record_read(ctx: StoreContext, claims: Claims, *, action: str, target: str, source: str | None,
-                detail: dict[str, Any] | None = None) -> None:
+def record_read(
+    ctx: StoreContext,
+    claims: Claims,
+    *,
+    action: str,
+    target: str,
+    source: str | None,
+    detail: dict[str, Any] | None = None,
+) -> None:
     """One audit entry for a console page an admin read (or a sign-in), in its own transaction."""
     with ctx.db.session() as session:
-        audit.record(session, actor=claims.sub, jti=claims.jti, action=action, target=target, source=source,
-                     detail=detail)
+        audit.record(
+            session, actor=claims.sub, jti=claims.jti, action=action, target=target, source=source, detail=detail
+        )

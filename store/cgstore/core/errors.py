@@ -207,8 +207,16 @@ class MetadataInvalid(StoreError):
 #: The codes a client-package refusal (``ArchiveError``, ``ComponentInvalid``...) may carry.
 _CLIENT_CODES: dict[str, type[StoreError]] = {
     cls.code: cls
-    for cls in (ArtifactInvalid, KindRetired, KindUnsupported, MetadataInvalid, SmMismatch,
-                GraphMismatch, ContractMismatch, EnvelopeInvalid)
+    for cls in (
+        ArtifactInvalid,
+        KindRetired,
+        KindUnsupported,
+        MetadataInvalid,
+        SmMismatch,
+        GraphMismatch,
+        ContractMismatch,
+        EnvelopeInvalid,
+    )
 }
 
 

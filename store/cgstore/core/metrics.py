@@ -35,7 +35,8 @@ class Metrics:
         self.bytes_in = Counter("cgstore_bytes_in_total", "Request body bytes received.", registry=self.registry)
         self.bytes_out = Counter("cgstore_bytes_out_total", "Response body bytes sent.", registry=self.registry)
         self.upload_sessions_open = Gauge(
-            "cgstore_upload_sessions_open", "Upload sessions open (not committed, cancelled or expired).",
+            "cgstore_upload_sessions_open",
+            "Upload sessions open (not committed, cancelled or expired).",
             registry=self.registry,
         )
 
@@ -70,7 +71,9 @@ class Metrics:
             registry=self.registry,
         )
         self.resolve_answers = Counter(
-            "cgstore_resolve_answers_total", "Resolve answers per family: hit or miss.", ["family", "status"],
+            "cgstore_resolve_answers_total",
+            "Resolve answers per family: hit or miss.",
+            ["family", "status"],
             registry=self.registry,
         )
 

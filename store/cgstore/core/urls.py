@@ -42,8 +42,9 @@ def install_slash_redirects(app: FastAPI, public_url: str | None) -> None:
 
     async def redirect_or_not_found(scope: Scope, receive: Receive, send: Send) -> None:
         other = _other_spelling(scope["path"]) if scope["type"] == "http" else None
-        if other is not None and any(route.matches({**scope, "path": other})[0] is not Match.NONE
-                                     for route in router.routes):
+        if other is not None and any(
+            route.matches({**scope, "path": other})[0] is not Match.NONE for route in router.routes
+        ):
             query = scope.get("query_string", b"").decode("latin-1")
             location = public_location(public_url, other) + (f"?{query}" if query else "")
             await RedirectResponse(location, status_code=307)(scope, receive, send)

@@ -22,8 +22,9 @@ from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGra
 _RECORD_STATE = {BLOB_MISSING: "blob_missing", BLOB_CORRUPT: "blob_corrupt"}
 
 
-def set_blob_health(session: Session, digest: str, health: str, *, actor: str, jti: str | None = None,
-                    detail: dict | None = None) -> int | None:
+def set_blob_health(
+    session: Session, digest: str, health: str, *, actor: str, jti: str | None = None, detail: dict | None = None
+) -> int | None:
     """Record what the bytes of ``digest`` were found to be; returns how many records changed state.
 
     None, and no audit entry, when the blob already had that state (or has no row).
@@ -33,9 +34,15 @@ def set_blob_health(session: Session, digest: str, health: str, *, actor: str, j
         return None
     previous, blob.health = blob.health, health
     changed = refresh_records(session, [digest])
-    audit(session, actor=actor, jti=jti, action="blob.healed" if health == BLOB_OK else "blob.damaged",
-          target=digest, outcome="ok",
-          detail={"health": health, "was": previous, "records_changed": changed, **(detail or {})})
+    audit(
+        session,
+        actor=actor,
+        jti=jti,
+        action="blob.healed" if health == BLOB_OK else "blob.damaged",
+        target=digest,
+        outcome="ok",
+        detail={"health": health, "was": previous, "records_changed": changed, **(detail or {})},
+    )
     return changed
 
 
@@ -57,11 +64,15 @@ def refresh_records(session: Session, digests: list[str]) -> int:
 
 
 def _record_health(session: Session, record_id: int) -> str:
-    artifact = select(Blob.health).join(CompiledGraph, CompiledGraph.artifact_digest == Blob.digest).where(
-        CompiledGraph.id == record_id
+    artifact = (
+        select(Blob.health)
+        .join(CompiledGraph, CompiledGraph.artifact_digest == Blob.digest)
+        .where(CompiledGraph.id == record_id)
     )
-    components = select(Blob.health).join(CompiledGraphComponent, CompiledGraphComponent.digest == Blob.digest).where(
-        CompiledGraphComponent.record_id == record_id
+    components = (
+        select(Blob.health)
+        .join(CompiledGraphComponent, CompiledGraphComponent.digest == Blob.digest)
+        .where(CompiledGraphComponent.record_id == record_id)
     )
     states = set(session.scalars(union(artifact, components)))
     return next((_RECORD_STATE[state] for state in _RECORD_STATE if state in states), HEALTH_OK)

@@ -133,6 +133,11 @@ def _audit_refused_claim(db: Database, claims: Claims, slug: object, err: Confli
     # The audit escapes every non-ASCII and control character: the row shows exactly what was tried.
     shown = slug if isinstance(slug, str) else f"<{type(slug).__name__}>"
     record_denial(
-        db, actor=claims.sub, jti=claims.jti, action="owner.claim", target=shown, outcome=err.code,
+        db,
+        actor=claims.sub,
+        jti=claims.jti,
+        action="owner.claim",
+        target=shown,
+        outcome=err.code,
         detail={"message": err.message},
     )

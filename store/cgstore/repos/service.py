@@ -106,8 +106,13 @@ def configure_repo(db: Database, claims: Claims, owner: str, name: str, visibili
         if not created and repo.visibility != visibility:
             access.can_change_visibility(claims, owner, name, **facts).enforce()
             record(
-                session, actor=claims.sub, jti=claims.jti, action="repo.visibility", target=f"{owner}/{name}",
-                repo=f"{owner}/{name}", detail={"from": repo.visibility, "to": visibility},
+                session,
+                actor=claims.sub,
+                jti=claims.jti,
+                action="repo.visibility",
+                target=f"{owner}/{name}",
+                repo=f"{owner}/{name}",
+                detail={"from": repo.visibility, "to": visibility},
             )
             repo.visibility = visibility
         return RepoInfo(repo.owner, repo.name, repo.visibility, repo.created_by, repo.created_at, created)
@@ -141,7 +146,12 @@ def _find_or_create(session: Session, claims: Claims, owner: str, name: str, vis
     )
     if created:
         record(
-            session, actor=claims.sub, jti=claims.jti, action="repo.create", target=f"{owner}/{name}",
-            repo=f"{owner}/{name}", detail={"visibility": visibility},
+            session,
+            actor=claims.sub,
+            jti=claims.jti,
+            action="repo.create",
+            target=f"{owner}/{name}",
+            repo=f"{owner}/{name}",
+            detail={"visibility": visibility},
         )
     return find_repo(session, owner, name), created

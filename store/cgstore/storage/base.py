@@ -99,7 +99,9 @@ class ObjectStore(abc.ABC):
         returning, so a caller can still answer 404) when absent."""
 
     @abc.abstractmethod
-    def list_keys(self, prefix: str, cursor: str | None = None, limit: int = 1000) -> tuple[list[ObjectInfo], str | None]:
+    def list_keys(
+        self, prefix: str, cursor: str | None = None, limit: int = 1000
+    ) -> tuple[list[ObjectInfo], str | None]:
         """Up to ``limit`` objects whose key starts with ``prefix``, after ``cursor`` (the
         last key of the previous page, None to start), and the cursor of the next page
         (None once the listing is complete). Order is the driver's own, stable one."""

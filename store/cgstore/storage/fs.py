@@ -182,7 +182,9 @@ class FileStorage(Storage):
             raise Unavailable("storage failed: read", operation="read", cause=_os_cause(exc)) from exc
         return _stream_file(file, start, end)
 
-    def list_keys(self, prefix: str, cursor: str | None = None, limit: int = 1000) -> tuple[list[ObjectInfo], str | None]:
+    def list_keys(
+        self, prefix: str, cursor: str | None = None, limit: int = 1000
+    ) -> tuple[list[ObjectInfo], str | None]:
         """Keys in path-component order (a sorted walk), so a cursor resumes without a full listing."""
         after = tuple(cursor.split("/")) if cursor else ()
         found: list[ObjectInfo] = []

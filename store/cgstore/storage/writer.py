@@ -168,7 +168,6 @@ class StageWriter(abc.ABC):
             self.abort()
 
 
-
 class LimitedStageWriter(StageWriter):
     """A driver's stage writer, refused (``TooLarge``) as soon as the upload would pass
     the store's size limit; refusing aborts the driver's writer, which cuts back

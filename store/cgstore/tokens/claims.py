@@ -82,9 +82,7 @@ def valid_sub(sub: object) -> bool:
 
 def check_sub(sub: object) -> None:
     if not valid_sub(sub):
-        raise BadRequest(
-            f"principal name must be 1-{MAX_SUB_LEN} printable characters without surrounding whitespace"
-        )
+        raise BadRequest(f"principal name must be 1-{MAX_SUB_LEN} printable characters without surrounding whitespace")
 
 
 def valid_jti(jti: object) -> bool:

@@ -74,9 +74,7 @@ class Grant:
 
     def matches(self, owner: str, repo: str) -> bool:
         """Whether the pattern covers ``owner/repo``. Invalid names match nothing."""
-        return owner_pattern_matches(self.owner_pattern, owner) and repo_pattern_matches(
-            self.repo_pattern, repo
-        )
+        return owner_pattern_matches(self.owner_pattern, owner) and repo_pattern_matches(self.repo_pattern, repo)
 
     def allows(self, owner: str, repo: str, action: str) -> bool:
         return action in self.effective_actions and self.matches(owner, repo)
@@ -166,8 +164,7 @@ def _parse_actions(actions: list) -> frozenset[str]:
     unknown = [a for a in actions if not isinstance(a, str) or a not in ACTIONS]
     if unknown:
         raise GrantInvalid(
-            f"unknown grant action(s) {', '.join(_show(a) for a in unknown)}; "
-            f"known: {', '.join(sorted(ACTIONS))}"
+            f"unknown grant action(s) {', '.join(_show(a) for a in unknown)}; known: {', '.join(sorted(ACTIONS))}"
         )
     return frozenset(actions)
 

@@ -34,9 +34,7 @@ class TokenRecord(Base):
 
     jti: Mapped[str] = mapped_column(String(64), primary_key=True)
     sub: Mapped[str] = mapped_column(String(200), nullable=False, index=True)
-    parent_jti: Mapped[str | None] = mapped_column(
-        String(64), ForeignKey("tokens.jti"), nullable=True, index=True
-    )
+    parent_jti: Mapped[str | None] = mapped_column(String(64), ForeignKey("tokens.jti"), nullable=True, index=True)
     platform: Mapped[bool] = mapped_column(Boolean, default=False, nullable=False)
     grants: Mapped[list] = mapped_column(JSON, nullable=False)
     issued_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)

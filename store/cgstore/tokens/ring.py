@@ -52,8 +52,9 @@ KID_LEN = 16
 
 #: Said with an unknown kid: the usual cause is a token minted by ``cgstore token mint`` under another
 #: CGSTORE_HOME (another directory's ``.cgstore``: another database and key), which the CLI names.
-UNKNOWN_KEY_HINT = ("; was it minted under another CGSTORE_HOME? `cgstore token mint` prints the one it used, "
-                    "and must use the server's")
+UNKNOWN_KEY_HINT = (
+    "; was it minted under another CGSTORE_HOME? `cgstore token mint` prints the one it used, and must use the server's"
+)
 
 
 class KeyConfigError(RuntimeError):
@@ -70,9 +71,9 @@ def key_id(public_key: Ed25519PublicKey) -> str:
 
 
 def public_pem(public_key: Ed25519PublicKey) -> str:
-    return public_key.public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    ).decode("ascii")
+    return public_key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode(
+        "ascii"
+    )
 
 
 def jwk(kid: str, public_key: Ed25519PublicKey) -> dict[str, str]:
@@ -185,8 +186,10 @@ class KeyRing:
         if not isinstance(kid, str):
             raise NameUnknown(f"no signing key with kid {kid!r}")
         retired = session.execute(
-            update(SigningKey).where(SigningKey.kid == kid, SigningKey.retired_at.is_(None))
-            .values(retired_at=utcnow()).returning(SigningKey.kid)
+            update(SigningKey)
+            .where(SigningKey.kid == kid, SigningKey.retired_at.is_(None))
+            .values(retired_at=utcnow())
+            .returning(SigningKey.kid)
         ).first()
         if retired is None:
             if session.get(SigningKey, kid) is None:
@@ -271,9 +274,7 @@ def load_or_create_signing_key(path: Path) -> Ed25519PrivateKey:
 def write_private_key(path: Path, key: Ed25519PrivateKey) -> None:
     """Write ``key`` to ``path`` atomically, 0600, in a 0700 directory created if needed."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:

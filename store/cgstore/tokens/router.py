@@ -39,8 +39,10 @@ router = APIRouter(prefix="/v1", tags=["tokens"])
 
 @router.post("/tokens", status_code=201, response_model=MintResponse, openapi_extra=json_body(MintRequest))
 async def mint_token(
-    request: Request, response: Response,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    request: Request,
+    response: Response,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> MintResponse:
     """Mint a token (admin)."""
     is_admin(claims).enforce()
@@ -56,8 +58,10 @@ async def mint_token(
     "/tokens/attenuate", status_code=201, response_model=MintResponse, openapi_extra=json_body(AttenuateRequest)
 )
 async def attenuate_token(
-    request: Request, response: Response,
-    claims: Claims = Depends(require_claims), ctx: StoreContext = Depends(get_context),
+    request: Request,
+    response: Response,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
 ) -> MintResponse:
     """Mint a child of the calling token, never wider than it."""
     _not_stored(response)

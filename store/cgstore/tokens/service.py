@@ -71,6 +71,7 @@ MAX_CHAIN_DEPTH = 32
 
 _REQUIRED_CLAIMS = ("iss", "aud", "sub", "iat", "exp", "jti", "plt", "grants")
 
+
 @dataclass(frozen=True)
 class MintedToken:
     token: str
@@ -242,8 +243,9 @@ class TokenService:
         """
         kid = self._header_kid(token)
         with self._db.reading() as conn:
-            rows = conn.execute(_VERIFY_STATEMENT, {"kid": kid, "jti": _unverified_jti(token),
-                                                    "depth": MAX_CHAIN_DEPTH}).all()
+            rows = conn.execute(
+                _VERIFY_STATEMENT, {"kid": kid, "jti": _unverified_jti(token), "depth": MAX_CHAIN_DEPTH}
+            ).all()
         key_row = KeyRow(kid, rows[0].public_key, rows[0].retired_at) if rows[0].public_key is not None else None
         payload = self._decode(token, self._keys.verify_key(kid, key_row))
         claims = self._claims_from_payload(payload)
@@ -437,7 +439,6 @@ class TokenService:
                 next_cursor=page[-1].jti if more else None,
             )
 
-
     def chains(self, jtis: Iterable[str]) -> dict[str, list[str]]:
         """Each token's ancestors, parent first, as recorded (a listing shows them; never a token value).
 
@@ -465,6 +466,7 @@ class TokenService:
                 node = parents.get(node)
             chains[jti] = chain
         return chains
+
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -530,22 +532,19 @@ def _check_chain_rows(chain: list, jti: str) -> None:
 
 def _after(session: Session, cursor: str) -> ColumnElement[bool]:
     """Tokens listed after the one ``cursor`` names, in the listing's ``(issued_at, jti)`` order."""
-    issued_at = session.scalar(select(TokenRecord.issued_at).where(TokenRecord.jti == cursor)) \
-        if valid_jti(cursor) else None
+    issued_at = (
+        session.scalar(select(TokenRecord.issued_at).where(TokenRecord.jti == cursor)) if valid_jti(cursor) else None
+    )
     if issued_at is None:
         raise BadRequest("cursor is not one this store handed out", cursor=cursor[:64])
-    return or_(
-        TokenRecord.issued_at > issued_at, and_(TokenRecord.issued_at == issued_at, TokenRecord.jti > cursor)
-    )
+    return or_(TokenRecord.issued_at > issued_at, and_(TokenRecord.issued_at == issued_at, TokenRecord.jti > cursor))
 
 
 def _descendants(session: Session, jti: str) -> set[str]:
     found: set[str] = set()
     frontier = {jti}
     while frontier:
-        children = set(
-            session.scalars(select(TokenRecord.jti).where(TokenRecord.parent_jti.in_(frontier)))
-        )
+        children = set(session.scalars(select(TokenRecord.jti).where(TokenRecord.parent_jti.in_(frontier))))
         frontier = children - found - {jti}
         found |= frontier
     return found

@@ -51,6 +51,8 @@ def parse_storage_url(url: str) -> tuple[str, str, str | None, str | None]:
     bucket, endpoint_url, region = parse_s3_url(url)
     prefix = urlparse(url).path.strip("/")
     return bucket, f"{prefix}/" if prefix else "", endpoint_url, region
+
+
 def _client_config(
     *, endpoint_url, max_concurrency, callers, connect_timeout_s, read_timeout_s, max_attempts
 ) -> Config:
@@ -71,6 +73,8 @@ def _client_config(
         # S3-compatible stores (MinIO, Ceph, moto) rarely serve virtual-host names.
         options["s3"] = {"addressing_style": "path"}
     return Config(**options)
+
+
 class S3Storage(Storage):
     """Objects and staged uploads in one bucket, under an optional key prefix."""
 
@@ -121,7 +125,11 @@ class S3Storage(Storage):
             config=config.merge(Config(read_timeout=complete_read_timeout_s)),
         )
         self.objects = Bucket(
-            self.client, complete_client, bucket, prefix=self.prefix, part_bytes=part_bytes,
+            self.client,
+            complete_client,
+            bucket,
+            prefix=self.prefix,
+            part_bytes=part_bytes,
             max_concurrency=max_concurrency,
         )
         self.staging = StagedUploads(
@@ -197,7 +205,9 @@ class S3Storage(Storage):
                 raise
         return stream_body(response["Body"])
 
-    def list_keys(self, prefix: str, cursor: str | None = None, limit: int = 1000) -> tuple[list[ObjectInfo], str | None]:
+    def list_keys(
+        self, prefix: str, cursor: str | None = None, limit: int = 1000
+    ) -> tuple[list[ObjectInfo], str | None]:
         """Keys in S3's own (UTF-8 byte) order; the cursor is the last key, passed as ``StartAfter``."""
         request = {"Bucket": self.bucket, "Prefix": self.key(prefix), "MaxKeys": min(limit, 1000)}
         if cursor:

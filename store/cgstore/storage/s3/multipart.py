@@ -197,7 +197,10 @@ class Bucket:
                         raise
         except (ClientError, Unavailable) as exc:
             logger.warning(
-                "abort of multipart upload %s on %s failed (sweep_orphans or stage_abort reclaims it): %s", upload_id, key, exc
+                "abort of multipart upload %s on %s failed (sweep_orphans or stage_abort reclaims it): %s",
+                upload_id,
+                key,
+                exc,
             )
         finally:
             self.active.discard(upload_id)

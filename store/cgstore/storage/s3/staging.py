@@ -162,13 +162,19 @@ class StagedUploads:
                 self.bucket.client.delete_object(Bucket=self.bucket.name, Key=final_key)
             raise BlobUploadUnknown("staged bytes are missing", session_id=staged.session_id)
 
-    def _copy_part(self, key: str, upload_id: str, number: int, piece: tuple[str, int, int], staged: StagedUpload) -> dict:
+    def _copy_part(
+        self, key: str, upload_id: str, number: int, piece: tuple[str, int, int], staged: StagedUpload
+    ) -> dict:
         source, start, end = piece
         with s3_errors("upload_part_copy"):
             try:
                 response = self.bucket.complete_client.upload_part_copy(
-                    Bucket=self.bucket.name, Key=key, UploadId=upload_id, PartNumber=number,
-                    CopySource={"Bucket": self.bucket.name, "Key": source}, CopySourceRange=f"bytes={start}-{end - 1}",
+                    Bucket=self.bucket.name,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    CopySource={"Bucket": self.bucket.name, "Key": source},
+                    CopySourceRange=f"bytes={start}-{end - 1}",
                 )
             except ClientError as exc:
                 if is_missing(exc) or error_code(exc)[0] == "InvalidRange":
@@ -216,7 +222,9 @@ class StagedUploads:
         staging = self.bucket.key("uploads/")
         newest: dict[str, datetime] = {}
         with s3_errors("list_objects"):
-            for page in self.bucket.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket.name, Prefix=staging):
+            for page in self.bucket.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket.name, Prefix=staging
+            ):
                 for item in page.get("Contents", []):
                     session_id = item["Key"].removeprefix(staging).split("/", 1)[0]
                     newest[session_id] = max(item["LastModified"], newest.get(session_id, item["LastModified"]))
