@@ -232,7 +232,7 @@ def keys_retire(kid: str) -> None:
     service = _token_service()
     try:
         with service.db.session() as session:
-            changed, resigned = retire(session, service.keys, issuer=Settings().token_issuer, kid=kid)
+            changed, resigned = retire(session, service.ring, issuer=Settings().token_issuer, kid=kid)
             if changed or resigned:
                 record(
                     session,

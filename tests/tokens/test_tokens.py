@@ -445,13 +445,13 @@ def test_rotate_signs_with_the_new_key_and_the_old_keeps_verifying(svc: TokenSer
     old = svc.mint("alice", ["acme/*:read"], ttl_s=600)
     with db.session() as session:
         new_kid = svc.ring.rotate(session)
-    assert stat.S_IMODE((svc.keys._keys_dir / f"{new_kid}.pem").stat().st_mode) == 0o600
+    assert stat.S_IMODE((svc.ring._keys_dir / f"{new_kid}.pem").stat().st_mode) == 0o600
     new = svc.mint("alice", ["acme/*:read"], ttl_s=600)
     assert jwt.get_unverified_header(new.token)["kid"] == new_kid != jwt.get_unverified_header(old.token)["kid"]
     assert svc.verify(old.token).jti == old.jti and svc.verify(new.token).jti == new.jti
     with db.session() as session:
-        assert svc.ring.retire(session, svc.keys.bootstrap_kid) is True
-        assert svc.ring.retire(session, svc.keys.bootstrap_kid) is False  # already retired
+        assert svc.ring.retire(session, svc.ring.bootstrap_kid) is True
+        assert svc.ring.retire(session, svc.ring.bootstrap_kid) is False  # already retired
     with pytest.raises(TokenInvalid, match="retired key"):
         svc.verify(old.token)
     assert svc.verify(new.token).jti == new.jti
@@ -461,7 +461,7 @@ def test_rotate_signs_with_the_new_key_and_the_old_keeps_verifying(svc: TokenSer
 
 def test_the_last_signing_key_cannot_be_retired(svc: TokenService, db: Database) -> None:
     with db.session() as session, pytest.raises(BadRequest, match="rotate"):
-        svc.ring.retire(session, svc.keys.bootstrap_kid)
+        svc.ring.retire(session, svc.ring.bootstrap_kid)
     with db.session() as session, pytest.raises(NameUnknown):
         svc.ring.retire(session, "0" * 16)
 
@@ -477,9 +477,9 @@ def test_rotation_on_one_instance_reaches_another_without_restart(db: Database, 
     assert jwt.get_unverified_header(token_b)["kid"] == kid
     assert a.verify(token_b).sub == b.verify(token_a).sub == "alice"
     # a holds no private half of kid: it keeps signing with its own newest key.
-    assert jwt.get_unverified_header(a.mint("bob", [], ttl_s=60).token)["kid"] == a.keys.bootstrap_kid
+    assert jwt.get_unverified_header(a.mint("bob", [], ttl_s=60).token)["kid"] == a.ring.bootstrap_kid
     with db.session() as session:
-        b.ring.retire(session, a.keys.bootstrap_kid)
+        b.ring.retire(session, a.ring.bootstrap_kid)
     with pytest.raises(TokenInvalid, match="retired"):
         b.verify(token_a)
 
@@ -622,7 +622,7 @@ def test_grants_in_json_form_are_accepted(svc: TokenService) -> None:
 
 def test_token_from_another_service_instance_verifies(db: Database, settings: Settings) -> None:
     first, second = TokenService(db, settings), TokenService(db, settings)
-    assert first.keys.bootstrap_kid == second.keys.bootstrap_kid
+    assert first.ring.bootstrap_kid == second.ring.bootstrap_kid
     assert second.verify(first.mint("alice", [], ttl_s=60).token).sub == "alice"
 
 
