@@ -20,8 +20,9 @@ from cgstore_client import Client, CompiledRequired, Conflict, Want
 from cgstore_client.archive import inspect
 from cgstore_client.keys import Envelope, ck1
 from cgstore_client.mint import derived_constants_path
+from cgstore_client.worker import outcomes
 from cgstore_client.worker.client import DERIVED_COMPONENT
-from cgstore_client.worker.outcomes import Eager, Loaded
+from cgstore_client.worker.outcomes import Eager, Loaded, exact_miss
 from tests.client.test_client_blobs import blob_gets, cache_files
 from tests.support.live_store import CONFIGURATIONS, unique_repo
 from tests.support.services import free_port
@@ -76,7 +77,7 @@ def test_boot_story_miss_mint_publish_then_another_process_loads_and_binds(store
     key = derived_key(minted)
     mint_token = store.mint("mint-child", f"{repo}:read,write")
     with Client(store.base_url, mint_token, cache_dir=tmp_path / "worker-1") as worker_1:
-        assert worker_1.load(FAMILY, [Want(key)]) == [Eager(key, "miss")]
+        assert worker_1.load(FAMILY, [Want(key)]) == [Eager(key, exact_miss(FAMILY, key))]
         published = publish(worker_1, repo, minted)
         assert (published.key, published.status) == (key, "created")
         assert publish(worker_1, repo, minted).status == "exists"  # safe to call again
@@ -118,10 +119,27 @@ def test_mandatory_miss_raises_optional_miss_is_eager(store, published, tmp_path
     unknown = "ck1-" + "e" * 56
     with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
         results = client.load(FAMILY, [Want(key), Want(unknown)])
-        assert isinstance(results[0], Loaded) and results[1] == Eager(unknown, "miss")
+        assert isinstance(results[0], Loaded) and results[1] == Eager(unknown, exact_miss(FAMILY, unknown))
         with pytest.raises(CompiledRequired) as required:
             client.load(FAMILY, [Want(key, mandatory=True), Want(unknown, mandatory=True)])
-    assert required.value.retryable and required.value.reasons == {unknown: "miss"}
+    assert required.value.retryable and required.value.reasons == {unknown: exact_miss(FAMILY, unknown)}
+
+
+def test_an_exact_miss_says_why_in_the_keys_terms_and_the_same_for_a_record_it_cannot_read(store, published, tmp_path):
+    """A load's miss names the key, the family and what a ck1 key is, starting with ``miss`` (code matches on
+    it); another tenant, for whom the published record is not readable, gets exactly that reason too."""
+    repo, _, key = published
+    unknown = "ck1-" + "e" * 56
+    stranger = store.mint("stranger", f"acme/{unique_repo()}:read")
+    with Client(store.base_url, stranger, cache_dir=tmp_path / "s") as client:
+        hidden, absent = client.load(FAMILY, [Want(key), Want(unknown)])
+    assert absent == Eager(
+        unknown,
+        f"miss: no live record of {unknown} in family {FAMILY!r} that this token can read "
+        "(a ck1 key is exact: another graph, envelope, sm or toolchain is another key)",
+    )
+    assert absent.reason.startswith(outcomes.MISS + ": ")
+    assert hidden == Eager(key, absent.reason.replace(unknown, key))  # nothing tells the hidden one apart
 
 
 def test_offline_serves_what_was_loaded_and_names_what_it_cannot(store, published, tmp_path):

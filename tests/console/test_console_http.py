@@ -3,6 +3,8 @@ filters, keyset paging, escaping, the audit of console reads. The browser tests 
 
 from __future__ import annotations
 
+import html
+import json
 import re
 import time
 import uuid
@@ -23,8 +25,8 @@ from cgstore.operations.blob_health import set_blob_health
 from tests.audit.conftest import rows
 from tests.console.conftest import HOSTILE, HOSTILE_FIELDS, h1, next_link, sign_in
 
-PAGES = ("/console", "/console/records", "/console/audit", "/console/tokens", "/console/storage")
-NAV = ("Overview", "Records", "Audit", "Tokens", "Storage")
+PAGES = ("/console", "/console/records", "/console/audit", "/console/tokens", "/console/storage", "/console/explain")
+NAV = ("Overview", "Records", "Audit", "Tokens", "Storage", "Explain")
 
 
 def _cookie_attributes(answer: httpx.Response) -> dict[str, str]:
@@ -403,6 +405,81 @@ def test_the_audit_page_shows_aggregated_401s_with_their_count(store, console):
     store.context.denials.flush()
     page = console.get("/console/audit", params={"action": "auth", "outcome": "TOKEN_INVALID"})
     assert re.search(r'class="aggregate"[^>]*>×\d+<', page.text)
+
+
+# -- why a declaration misses ----------------------------------------------------------------------------
+
+
+def _declaration(pub, **changed) -> dict[str, str]:
+    """The explain form filled with ``pub``'s declaration (its manifest's axes), ``changed`` replacing fields."""
+    axes = pub.manifest["axes"]
+    typed = {
+        "family": pub.manifest["family"],
+        "sm": axes["sm"],
+        "envelope": json.dumps(axes["envelope"]),
+        "toolchain": json.dumps(axes["toolchain"]),
+    }
+    return {**typed, **changed}
+
+
+def test_explain_names_the_axis_a_near_record_differs_on_for_the_admins_token(store, console, registry):
+    """The answer is discover's for the signed-in token: an admin whose token reads the repo is told the
+    nearest record and the differing axis with both values; one whose token does not (``*/*`` names no repo)
+    is told the family has nothing it may read; the record's own declaration is a hit."""
+    pub = registry.publications[0]
+    near = {**pub.manifest["axes"]["envelope"], "guidance": ["0.5"]}
+    reader = store.mint(f"console-admin-{uuid.uuid4().hex[:8]}", "*/*:admin", f"{registry.repo}:read")
+    with sign_in(store, reader) as client:
+        page = client.get("/console/explain", params=_declaration(pub, envelope=json.dumps(near)))
+        flat = {**pub.manifest["axes"]["toolchain"]["components"], **pub.manifest["axes"]["toolchain"]["recorded"]}
+        hit = client.get("/console/explain", params=_declaration(pub, toolchain=json.dumps(flat)))
+    assert page.status_code == 200 and h1(page.text) == "Explain a miss"
+    text = html.unescape(page.text)
+    assert f"miss: 3 records of {registry.family} in {registry.repo}; nearest differs in envelope guidance: " in text
+    assert re.search(r"envelope guidance: \[0\.5\] here, \[[-0-9.]+\] recorded", text)
+    nearest = re.findall(r'href="/console/records/acme/[^/"]+/(ck1-[0-9a-f]{56})"', page.text)
+    assert len(nearest) == 1 and nearest[0] in {p.key for p in registry.publications}
+    assert hit.status_code == 200 and "<h2>Hit</h2>" in hit.text and pub.key in hit.text  # a flat toolchain too
+    unnamed = console.get("/console/explain", params=_declaration(pub))  # the ``*/*:admin`` token
+    assert unnamed.status_code == 200
+    assert f"miss: no record of family '{registry.family}' this token may read" in html.unescape(unnamed.text)
+
+
+def test_explain_renders_hostile_input_as_text(store, console, registry):
+    """Each hostile field is refused by the declaration's checks, whose messages quote it: shown as text."""
+    pub = registry.publications[0]
+    asked = [
+        _declaration(pub, family=HOSTILE),
+        _declaration(pub, release=HOSTILE),
+        _declaration(pub, sm=HOSTILE),
+        _declaration(pub, envelope=json.dumps({HOSTILE_FIELDS["layout"]: 1})),
+        _declaration(pub, toolchain=json.dumps({HOSTILE_FIELDS["mint phases"]: HOSTILE})),
+    ]
+    pages = [console.get("/console/explain", params=params) for params in asked]
+    for page in pages:
+        assert page.status_code == 400 and h1(page.text) == "Explain a miss", page.text
+        assert "<script>alert" not in page.text and "<img src=x" not in page.text
+    assert 'value="&lt;script&gt;alert(1)&lt;/script&gt;&#34;&#39;&amp;"' in pages[1].text  # the form's value
+    assert "got &#39;&lt;script&gt;alert(1)&lt;/script&gt;" in pages[2].text  # the sm, quoted in the refusal
+    assert "&lt;script&gt;alert(&#39;layout&#39;)&lt;/script&gt;" in pages[3].text  # the envelope's field
+
+
+@pytest.mark.parametrize(
+    "changed, said",
+    [
+        ({"envelope": "{not json"}, "envelope is not JSON (Expecting property name enclosed in double quotes"),
+        ({"envelope": "[1, 2]"}, "envelope must be a JSON object, not list"),
+        ({"toolchain": "{"}, "toolchain is not JSON"),
+        ({"envelope": '{"shapes": "big"}'}, "envelope: "),
+        ({"sm": ""}, "a declaration needs sm"),
+    ],
+)
+def test_explain_with_a_bad_declaration_says_so_on_the_page(store, console, registry, changed, said):
+    answer = console.get("/console/explain", params=_declaration(registry.publications[0], **changed))
+    assert answer.status_code == 400 and h1(answer.text) == "Explain a miss"
+    error = re.findall(r'<p class="error" role="alert">(.*?)</p>', answer.text, re.S)
+    assert len(error) == 1 and html.unescape(error[0]).startswith(said), error
+    assert '<form method="get" class="filters explain">' in answer.text
 
 
 # -- escaping, bad input, the audit of reads --------------------------------------------------------------

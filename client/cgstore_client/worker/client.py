@@ -337,7 +337,10 @@ class Client:
             answers = self.resolve(family, keys)
         except Unavailable as err:
             return {k: self.cache.read_record(k) or outcomes.reason_for(err) for k in keys}
-        return {a["key"]: self._with_cached_record(a) if a.get("status") == "hit" else outcomes.MISS for a in answers}
+        return {
+            a["key"]: self._with_cached_record(a) if a.get("status") == "hit" else outcomes.exact_miss(family, a["key"])
+            for a in answers
+        }
 
     def serve_hit(self, hit: ResolveHit) -> Loaded | Eager:
         """One hit (a discover candidate is one) through ``load``'s verified path: its receipt (any

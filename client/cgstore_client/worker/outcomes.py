@@ -31,6 +31,16 @@ UNAVAILABLE = "store unavailable"
 TOO_SLOW = "store too slow"
 
 
+def exact_miss(family: str, key: str) -> str:
+    """Why an exact key missed, in the key's terms: all the store's answer tells (a bare ``miss``), so nothing
+    about records this token cannot read. A ck1 key names one graph, envelope, sm and toolchain together:
+    which axis differs is a declaration's question (``boot``, ``cgstore-client discover --explain``)."""
+    return (
+        f"{MISS}: no live record of {key} in family {family!r} that this token can read "
+        "(a ck1 key is exact: another graph, envelope, sm or toolchain is another key)"
+    )
+
+
 def reason_for(error: CgstoreError) -> str:
     """The reason a want is served eager because fetching it raised ``error``."""
     if isinstance(error, Offline):
@@ -63,7 +73,7 @@ class Want:
 
 @dataclass(frozen=True)
 class Eager:
-    """A want served eager, and why (``miss``, ``offline and not cached: ...``, ``receipt invalid: ...``,
+    """A want served eager, and why (``miss: no live record of ck1-… …``, ``offline and not cached: ...``, ``receipt invalid: ...``,
     ``not a root record: ...``, ``store unavailable: ...``, ``store too slow: ...``)."""
 
     key: str

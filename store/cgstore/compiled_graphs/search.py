@@ -11,6 +11,7 @@ the caller cannot see.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic_core import to_json
@@ -30,7 +31,7 @@ from cgstore.core.errors import (
 from cgstore.tokens.claims import Claims
 from cgstore_client.binding import is_binding_signature
 from cgstore_client.keys import is_key
-from cgstore_client.wire.discovery import DiscoverRequest
+from cgstore_client.wire.discovery import DiscoverRequest, MissExplanation
 from cgstore_client.wire.records import (
     ResolveRequest,
 )
@@ -272,33 +273,9 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     through ``ix_compiled_graphs_discover``, the chosen ones' components); an
     answer with nothing readable is the same bytes as one with nothing at all.
     """
-    admission.check_family(request.family)
-    derived = admission.derive_axes(request.envelope, request.sm, request.toolchain)
-    admission.check_release(request.release)
-    admission.check_code(request.code)
-    if request.binding_signature is not None and not is_binding_signature(request.binding_signature):
-        raise MetadataInvalid(
-            "binding_signature must be 'bs1:' + 64 lowercase hex (cgstore_client.binding)",
-            binding_signature=request.binding_signature,
-        )
-    digest = admission.discovery_of(request.family, request.sm, derived)
+    derived, digest = _declared(request)
     with ctx.db.session() as session:
-        searched = _search_plan(session, claims)
-        chosen = []
-        if searched:
-            chosen = (
-                session.connection()
-                .execute(
-                    _best_per_key(
-                        session,
-                        searched,
-                        _discover_match(request, digest),
-                        (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release),
-                        limit=request.limit,
-                    )
-                )
-                .all()
-            )
+        searched, chosen = _discovered(session, claims, request, digest)
         components = _component_rows(session, [row.id for row in chosen])
         miss = (
             explain.explain_miss(session, claims, request, derived, searched)
@@ -319,6 +296,55 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     if miss is not None:
         answer["miss"] = miss.model_dump(mode="json")
     return to_json(answer)
+
+
+def _declared(request: DiscoverRequest) -> tuple[admission.Derived, str]:
+    """The declaration checked as admission checks a manifest's: its canonical axes and discovery digest."""
+    admission.check_family(request.family)
+    derived = admission.derive_axes(request.envelope, request.sm, request.toolchain)
+    admission.check_release(request.release)
+    admission.check_code(request.code)
+    if request.binding_signature is not None and not is_binding_signature(request.binding_signature):
+        raise MetadataInvalid(
+            "binding_signature must be 'bs1:' + 64 lowercase hex (cgstore_client.binding)",
+            binding_signature=request.binding_signature,
+        )
+    return derived, admission.discovery_of(request.family, request.sm, derived)
+
+
+def _discovered(session: Session, claims: Claims, request: DiscoverRequest, digest: str) -> tuple[list, list]:
+    """The repos this caller searches, and the best readable matching records in them (discover's rows)."""
+    searched = _search_plan(session, claims)
+    if not searched:
+        return searched, []
+    columns = (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release)
+    chosen = (
+        session.connection()
+        .execute(_best_per_key(session, searched, _discover_match(request, digest), columns, limit=request.limit))
+        .all()
+    )
+    return searched, chosen
+
+
+@dataclass(frozen=True)
+class Explained:
+    """What discover answers this caller for a declaration, without blob URLs: the matching records
+    (``owner/name``, key), best first, or why there are none (``explain.explain_miss``)."""
+
+    matches: list[tuple[str, str]]
+    miss: MissExplanation | None
+
+
+def explain_declaration(ctx: StoreContext, claims: Claims, request: DiscoverRequest) -> Explained:
+    """Discover's answer to ``request`` for ``claims``, explained on a miss (the console's Explain page):
+    the same checks, search plan, match and explanation as ``discover``, one implementation."""
+    derived, digest = _declared(request)
+    with ctx.db.session() as session:
+        searched, chosen = _discovered(session, claims, request, digest)
+        miss = None if chosen else explain.explain_miss(session, claims, request, derived, searched)
+    repos = {repo.id: repo for repo in searched}
+    matches = [(f"{repos[row.repo_id].owner}/{repos[row.repo_id].name}", row.key) for row in chosen]
+    return Explained(matches=matches, miss=miss)
 
 
 def _discover_match(request: DiscoverRequest, digest: str) -> tuple:

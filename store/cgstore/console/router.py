@@ -1,4 +1,4 @@
-"""HTTP side of the admin console (docs/console.md): sign-in, sign-out, six read-only pages, two static files.
+"""HTTP side of the admin console (docs/console.md): sign-in, sign-out, seven read-only pages, two static files.
 
 Server-rendered HTML (Jinja2, autoescaped), no inline script or style, no
 request leaving the store: ``ConsoleHeaders`` puts a strict CSP and the other
@@ -124,6 +124,7 @@ NAV = (
     ("Audit", f"{PREFIX}/audit"),
     ("Tokens", f"{PREFIX}/tokens"),
     ("Storage", f"{PREFIX}/storage"),
+    ("Explain", f"{PREFIX}/explain"),
 )
 
 router = APIRouter(include_in_schema=False)
@@ -472,6 +473,18 @@ async def storage(request: Request, ctx: StoreContext = Depends(get_context)) ->
         "storage.html",
         lambda claims: service.storage(ctx, claims),
         aggregates_s=ctx.settings.console_aggregates_s,
+    )
+
+
+@router.get(f"{PREFIX}/explain")
+async def explain(request: Request, ctx: StoreContext = Depends(get_context)) -> Response:
+    """Why a declaration misses, for this admin's token: a GET form, like the filters (it changes nothing)."""
+    return await _filtered(
+        request,
+        ctx,
+        "explain.html",
+        service.EXPLAIN_FIELDS,
+        lambda claims, q: service.explain_declaration(ctx, claims, q),
     )
 
 

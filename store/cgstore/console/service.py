@@ -2,7 +2,8 @@
 
 No query of its own: records come from ``admin.service`` (the host's ``cgstore
 ls/show/stats``), the log from ``audit.service``, tokens and keys from the
-token service, receipts from ``compiled_graphs.receipts``, bytes from
+token service, receipts from ``compiled_graphs.receipts``, a declaration's
+miss explained by ``compiled_graphs.search`` (discover's own), bytes from
 ``blobs.service``, leases from ``operations.leases``. Every function takes the
 verified claims and enforces the admin rule first (``access.is_admin``), as
 ``GET /v1/admin/stats`` and ``GET /v1/audit`` do.
@@ -29,6 +30,7 @@ page reads live, bounded by its page size.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import threading
 import time
@@ -39,17 +41,18 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from markupsafe import Markup
+from pydantic import ValidationError
 
 from cgstore.access import is_admin
 from cgstore.admin import service as admin
 from cgstore.audit import service as audit
 from cgstore.blobs import service as blobs
-from cgstore.compiled_graphs import receipts
+from cgstore.compiled_graphs import explain, receipts, search
 from cgstore.compiled_graphs.publishing import ACTION_PUBLISH
 from cgstore.console import charts
 from cgstore.context import StoreContext
 from cgstore.core.db import utcnow
-from cgstore.core.errors import BadRequest, KeyConflict, NameUnknown
+from cgstore.core.errors import BadRequest, KeyConflict, NameUnknown, StoreError
 from cgstore.core.http import parse_number
 from cgstore.core.names import validate_owner, validate_repo
 from cgstore.operations import leases
@@ -58,6 +61,7 @@ from cgstore.tokens.ring import KeyInfo
 from cgstore.tokens.service import TokenInfo
 from cgstore_client.wire.admin import AdminStats, RecordSummary, StorageBytes
 from cgstore_client.wire.audit import MAX_AUDIT_PAGE, AuditEntry
+from cgstore_client.wire.discovery import DiscoverRequest
 from cgstore_client.wire.records import MAX_LIST_LIMIT, Record
 from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 
@@ -368,6 +372,79 @@ def _storage_facts(ctx: StoreContext) -> tuple[StorageBytes, list[blobs.DayGrowt
 
 
 _storage_sums = Aggregates(_storage_facts)
+
+
+# -- why a declaration misses ------------------------------------------------------------------
+
+#: The explain page's form fields, as typed (``release`` may be empty).
+EXPLAIN_FIELDS = ("family", "sm", "envelope", "toolchain", "release")
+
+
+@dataclass(frozen=True)
+class ExplainView:
+    """Discover's answer to the declaration for this admin's token, explained on a miss."""
+
+    family: str
+    explained: search.Explained
+    #: The miss's differences described as the client's one-line detail does (``explain.describe``).
+    described: list[str] = field(default_factory=list)
+
+
+def explain_declaration(ctx: StoreContext, claims: Claims, typed: dict[str, str | None]) -> ExplainView | None:
+    """What discover answers ``claims`` for the typed declaration (``search.explain_declaration``: one
+    implementation with the API's), or None while the form is empty. A field that is not a declaration's
+    (bad JSON, an envelope or toolchain admission refuses) is ``BadRequest`` naming it."""
+    is_admin(claims).enforce()
+    if not any(typed.get(name) for name in EXPLAIN_FIELDS):
+        return None
+    missing = [name for name in ("family", "sm", "envelope", "toolchain") if not typed.get(name)]
+    if missing:
+        raise BadRequest(f"a declaration needs {', '.join(missing)}")
+    envelope = _json_field(typed, "envelope")
+    toolchain = _json_field(typed, "toolchain")
+    try:
+        request = DiscoverRequest(
+            family=typed["family"],
+            sm=typed["sm"],
+            envelope=envelope,
+            toolchain=_toolchain_axis(toolchain),
+            release=typed.get("release"),
+            explain=True,
+        )
+        explained = search.explain_declaration(ctx, claims, request)
+    except ValidationError as err:
+        raise BadRequest(f"not a declaration: {_first_error(err)}") from None
+    except StoreError as err:
+        if not 400 <= err.status < 500:
+            raise
+        raise BadRequest(err.message) from None
+    nearest = explained.miss.nearest if explained.miss else None
+    described = [explain.describe(d) for d in nearest.differences] if nearest else []
+    return ExplainView(family=request.family, explained=explained, described=described)
+
+
+def _json_field(typed: dict[str, str | None], name: str) -> dict[str, Any]:
+    try:
+        value = json.loads(typed[name] or "")
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"{name} is not JSON ({err.msg} at character {err.pos})") from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"{name} must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _toolchain_axis(value: dict[str, Any]) -> Any:
+    """A manifest's toolchain axis (``components``, ``recorded``) as it is, or one flat mapping as a worker's
+    ``Toolchain`` is: the store classifies keyed and recorded names either way (``admission.derive_axes``)."""
+    if "components" in value and set(value) <= {"components", "recorded"}:
+        return value
+    return {"components": value, "recorded": {}}
+
+
+def _first_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
 
 
 # -- the audit of console reads ------------------------------------------------------------
