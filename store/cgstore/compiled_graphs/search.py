@@ -23,7 +23,7 @@ from cgstore.blobs.models import Blob
 from cgstore.compiled_graphs import admission, explain
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
-from cgstore.core.db import in_values
+from cgstore.core.db import in_values, plan_without_values
 from cgstore.core.errors import (
     KeyInvalid,
     MetadataInvalid,
@@ -112,8 +112,10 @@ def _search_plan(session: Session, claims: Claims) -> list[access.SearchedRepo]:
     """The repos a resolve or discover by ``claims`` searches, best first (``access.searched_repos``).
 
     Read from the repos the caller can be searching at all
-    (``access.search_candidates``), so other tenants' repos, however many, are never read.
+    (``access.search_candidates``), so other tenants' repos, however many, are never read; and
+    every statement of the search planned without its values (``plan_without_values``).
     """
+    plan_without_values(session)
     return access.searched_repos(claims, session.connection().execute(access.search_candidates(claims)))
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import DateTime, MetaData, String, any_, bindparam, cast, create_engine, event, make_url
+from sqlalchemy import DateTime, MetaData, String, any_, bindparam, cast, create_engine, event, make_url, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
@@ -141,6 +141,19 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def plan_without_values(session: Session) -> None:
+    """Plan the rest of this transaction's statements generically on PostgreSQL (no-op on SQLite).
+
+    A plan chosen from a bound value's statistics (a digest that many records
+    share, most of them another tenant's) differs from the plan of a value few
+    rows have, and so takes a different time although the caller reads the
+    same nothing in both: a search whose work must not depend on what the
+    caller cannot see plans without its values.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SET LOCAL plan_cache_mode = force_generic_plan"))
 
 
 def in_values(session: Session, column, values: list):
