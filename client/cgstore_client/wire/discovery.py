@@ -25,8 +25,8 @@ DEFAULT_DISCOVER_LIMIT = 4
 MAX_DISCOVER_LIMIT = 16
 
 
-class DiscoverRequest(WireModel):
-    """A declaration: what the worker will run, known before tracing."""
+class Declaration(WireModel):
+    """A declaration: what the worker will run, known before tracing (discover's and a claim's body)."""
 
     family: str = Field(min_length=1, max_length=100)
     #: What ``Envelope.from_dict`` accepts: the caller's form or the canonical document.
@@ -40,6 +40,11 @@ class DiscoverRequest(WireModel):
     binding_signature: str | None = Field(None, max_length=100)
     #: ``cf1:…`` of the model's source: narrows to records minted from the same code, when they recorded one.
     code: str | None = Field(None, max_length=100)
+
+
+class DiscoverRequest(Declaration):
+    """A declaration to look up: the matching live records, at most ``limit``, explained on a miss if asked."""
+
     #: A JSON integer: ``"4"``, ``true`` and ``4.0`` are refused, not read as 4 (or 1).
     limit: int = Field(DEFAULT_DISCOVER_LIMIT, ge=1, le=MAX_DISCOVER_LIMIT, strict=True)
     #: On a miss, say why (``DiscoverAnswer.miss``). Asked for, so an answer without it stays what
