@@ -117,7 +117,7 @@ import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import ColumnElement, Select, and_, false, or_, select, union
+from sqlalchemy import ColumnElement, Select, and_, false, or_, select, true, union
 
 from cgstore.core.errors import Denied, RootReserved, StoreError
 from cgstore.core.names import ROOT_OWNER, is_reserved_owner, validate_owner, validate_repo
@@ -389,10 +389,18 @@ def readable_in(
     for repo in searched:
         by_reader.setdefault(repo.reader, []).append(repo.id)
     terms = [
-        repo_id.in_(ids) if reader is None else and_(repo_id.in_(ids), publisher == reader)
+        and_(repo_id.in_(ids), read_by(reader, publisher))
         for reader, ids in sorted(by_reader.items(), key=lambda item: item[0] or "")
     ]
     return or_(*terms) if terms else false()
+
+
+def read_by(reader: str | None, publisher: ColumnElement[str]) -> ColumnElement[bool]:
+    """SQL: which records of a searched repo whose ``reader`` is ``reader`` the caller may read, by ``publisher``.
+
+    Everyone's when None; in a private cache the reader's own (Reading).
+    """
+    return true() if reader is None else publisher == reader
 
 
 # -- attenuating ----------------------------------------------------------------------------

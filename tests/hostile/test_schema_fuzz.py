@@ -128,7 +128,9 @@ def load_schema(store):
 
 
 def _with_valid_values(parameters):
-    if not parameters:  # an operation without such parameters
+    # An operation without such parameters; or, in the stateful pass, a value that is not a mapping of them
+    # (seen once: "'…' has no attribute 'items'" from this hook, which then failed the whole pass).
+    if not isinstance(parameters, dict) or not parameters:
         return st.just(parameters)
     return st.fixed_dictionaries({name: VALID.get(name, st.just(value)) for name, value in parameters.items()})
 

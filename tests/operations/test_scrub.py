@@ -24,6 +24,7 @@ from cgstore.operations import leases
 from cgstore.operations.models import Lease
 from cgstore.operations.ratelimit import TokenBucket
 from cgstore.operations.scrub import saved_cursor, scrub
+from cgstore.repos.models import Repo
 from tests.compiled_graphs.support import (
     CONSTANTS_A,
     FAMILY,
@@ -55,11 +56,19 @@ class World:
         return self.pubs[i].components["consts"]
 
     def health(self) -> list[str]:
+        """This repo's records' health. Every world publishes the same keys (one archive, the same envelopes), so
+        a read across repos met other worlds' records, in whatever order the database gave them."""
+        owner, name = self.repo.split("/")
         with self.store.context.db.session() as session:
             by_key = dict(
                 session.execute(
-                    select(CompiledGraph.key, CompiledGraph.health).where(
-                        CompiledGraph.key.in_([p.key for p in self.pubs]), CompiledGraph.yanked_at.is_(None)
+                    select(CompiledGraph.key, CompiledGraph.health)
+                    .join(Repo, Repo.id == CompiledGraph.repo_id)
+                    .where(
+                        Repo.owner == owner,
+                        Repo.name == name,
+                        CompiledGraph.key.in_([p.key for p in self.pubs]),
+                        CompiledGraph.yanked_at.is_(None),
                     )
                 ).all()
             )

@@ -12,7 +12,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import DateTime, MetaData, String, any_, bindparam, cast, create_engine, event, make_url, text
+from sqlalchemy import (
+    ColumnElement,
+    DateTime,
+    MetaData,
+    String,
+    any_,
+    bindparam,
+    cast,
+    create_engine,
+    event,
+    make_url,
+    text,
+)
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.types import TypeDecorator
@@ -166,11 +178,15 @@ def in_values(session: Session, column, values: list):
     by element in Python. SQLite has no arrays: an expanding IN there.
     """
     if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import ARRAY
-
-        literal = bindparam(None, _pg_array_literal(values), type_=String())
-        return column == any_(cast(literal, ARRAY(column.type)))
+        return column == any_(pg_array(values, column.type))
     return column.in_(list(values))
+
+
+def pg_array(values: list, item_type) -> ColumnElement:
+    """A PostgreSQL array of ``item_type`` (a SQLAlchemy type) bound as one literal (see ``in_values``)."""
+    from sqlalchemy.dialects.postgresql import ARRAY
+
+    return cast(bindparam(None, _pg_array_literal(values), type_=String()), ARRAY(item_type))
 
 
 def _pg_array_literal(values: list) -> str:
