@@ -46,6 +46,7 @@ from cgstore.storage.s3 import staging as s3_staging
 from cgstore.storage.s3.driver import COMPLETE_READ_TIMEOUT_S
 from cgstore.storage.s3.errors import s3_errors
 from cgstore.storage.s3.multipart import PartBuffers, ViewsReader
+from tests.support.leftovers import staged_session_bytes
 from tests.support.proxy import CuttableProxy
 from tests.support.services import free_port, use_s3_credentials
 from tests.support.storage_fixtures import (
@@ -88,8 +89,9 @@ def stage(storage, pieces: list[bytes]) -> StagedUpload:
 def stage_more(storage, staged: StagedUpload, pieces: list[bytes]) -> StagedUpload:
     """``staged`` with one more append per piece."""
     for piece in pieces:
-        staged = storage.stage_append(staged, chunked(piece, 64 * 1024))
+        before, staged = staged, storage.stage_append(staged, chunked(piece, 64 * 1024))
         staged = StagedUpload(staged.session_id, staged.offset, json.loads(json.dumps(staged.state)))
+        storage.stage_recorded(before, staged)  # what the service does once its compare-and-set won
     return staged
 
 
@@ -622,7 +624,10 @@ def test_a_chunk_that_is_no_multiple_of_the_part_size_carries_its_rest_into_the_
 def test_chunks_below_5_mib_are_carried_into_the_next_part(s3_case, big_data):
     """Small chunks, one after another, are no parts S3 could join (every part but the last must
     be 5 MiB): each is carried into the next append until a part is full."""
-    staged = stage(s3_case.storage, [big_data[:1000], big_data[1000:2000], big_data[2000:]])
+    staged = stage(s3_case.storage, [big_data[:1000], big_data[1000:2000]])
+    # One tail object: the first (1000 bytes) was carried into the second, and dropped once recorded.
+    assert staged_session_bytes(s3_case.storage, staged.session_id) == 2000
+    staged = stage_more(s3_case.storage, staged, [big_data[2000:]])
     assert all(len(entry) == 4 for entry in staged.state["chunks"][:-1])  # the small ones were carried
     assert staged.state["chunks"][0][:2] == [0, PART]
     assert s3_case.storage.stage_commit(staged, blake3_digest(big_data)) == len(big_data)

@@ -215,6 +215,15 @@ class Bucket:
             logger.info("completing %s failed, but an earlier attempt had completed it (%d bytes)", key, size)
         self.active.discard(upload_id)
 
+    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]]:
+        """The uploaded parts of an open upload: number → (size, ETag)."""
+        parts = {}
+        with s3_errors("list_parts"):
+            for page in self.client.get_paginator("list_parts").paginate(Bucket=self.name, Key=key, UploadId=upload_id):
+                for part in page.get("Parts", []):
+                    parts[part["PartNumber"]] = (part["Size"], part["ETag"])
+        return parts
+
     def abort_multipart(self, key: str, upload_id: str) -> None:
         """Abort on an error path: never raise over the original error, but say what leaked."""
         try:

@@ -83,7 +83,7 @@ from itertools import pairwise
 
 from botocore.exceptions import ClientError
 
-from cgstore.core.errors import BlobUploadUnknown, DigestInvalid, SizeInvalid, Unavailable
+from cgstore.core.errors import BlobUploadUnknown, DigestInvalid, RangeInvalid, SizeInvalid, Unavailable
 from cgstore.storage import hashing
 from cgstore.storage.hashing import check_session_id
 from cgstore.storage.s3.errors import error_code, is_missing, s3_errors, stream_body
@@ -96,8 +96,13 @@ PARTS_NAME = "parts"  # the session's multipart upload, and the object its compl
 CHANGED_PART_CODES = frozenset({"InvalidPart", "InvalidPartOrder", "EntityTooSmall"})
 
 
-class NoPartNumber(Exception):
-    """The stream cannot be joined by one completion: the commit falls back to a rewrite."""
+@dataclass(frozen=True)
+class Joined:
+    """A completed session upload: whether it is exactly the stream, and where each entry
+    (a part by number, a chunk object by name) starts in it."""
+
+    whole: bool
+    starts: dict[int | str, int]
 
 
 @dataclass(frozen=True)
@@ -238,6 +243,16 @@ class StagedUploads:
         if isinstance(upload_id, str) and upload_id != before.state.get("upload"):
             self.bucket.abort_multipart(self.parts_key(after), upload_id)
 
+    def stage_recorded(self, before: StagedUpload, after: StagedUpload) -> None:
+        """Delete the tail the recorded append carried into its first part (named by ``before``
+        only): else every small chunk would leave a copy of all the small ones before it. A
+        racer from ``before`` that has not read it yet lost the compare-and-set already."""
+        kept = {entry.name for entry in parse_entries(after) if not entry.is_part}
+        superseded = [entry.name for entry in parse_entries(before) if not entry.is_part and entry.name not in kept]
+        with s3_errors("stage_recorded"):
+            for name in superseded:
+                self.bucket.client.delete_object(Bucket=self.bucket.name, Key=self._prefix(after) + name)
+
     # -- commit --------------------------------------------------------------------------
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         # blob_key parses the digest before anything is dropped: a malformed one is a
@@ -245,12 +260,11 @@ class StagedUploads:
         final_key = self.bucket.blob_key(digest)
         entries = parse_entries(staged)
         try:
-            try:
-                if not self._joinable(entries):
-                    raise NoPartNumber
-                self._commit_parts(staged, entries, digest, final_key)
-            except NoPartNumber:  # or a last chunk object with no number left for it
-                self._rewrite_staged(staged, entries, digest)
+            joined = self._join(staged, entries) if any(entry.is_part for entry in entries) else None
+            if joined is not None and joined.whole:
+                self._commit_joined(staged, digest, final_key)
+            else:
+                self._rewrite_staged(staged, entries, digest, joined)
         except (DigestInvalid, SizeInvalid):
             self.stage_abort(staged)
             raise
@@ -259,67 +273,84 @@ class StagedUploads:
         self.stage_abort(staged)
         return staged.offset
 
-    @staticmethod
-    def _joinable(entries: list[Entry]) -> bool:
-        """Parts, then at most one chunk object: what one completion can join."""
-        return any(entry.is_part for entry in entries) and all(entry.is_part for entry in entries[:-1])
-
-    def _commit_parts(self, staged: StagedUpload, entries: list[Entry], digest: str, final_key: str) -> None:
-        """The usual case: verify, complete the session's upload, make the object the blob."""
-        verifier = self._staged_verifier(staged, digest)
-        if verifier is not None:
-            verifier.verify()  # before any byte is assembled
+    def _commit_joined(self, staged: StagedUpload, digest: str, final_key: str) -> None:
+        """The usual case: the completed upload is the stream. Verify it, make it the blob."""
         joined = self.parts_key(staged)
-        if not self.bucket.holds(joined, staged.offset):  # else an earlier attempt completed it
-            self._complete(staged, entries, joined)
-        if self.bucket.object_size(joined) != staged.offset:
-            # A staged object shorter than recorded (tampered with): never make it a blob.
-            raise BlobUploadUnknown("staged bytes are missing", session_id=staged.session_id)
+        verifier = self._staged_verifier(staged, digest)
         if verifier is None:  # another process staged some of it: read the result back
             verifier = hashing.StreamVerifier(digest, staged.offset, self._max_blob_bytes)
             for data in self._read(staged, joined, 0, staged.offset):
                 verifier.update(data)
-            verifier.verify()
+        verifier.verify()
         if not self.bucket.holds(final_key, staged.offset):
             self._copy_to(joined, final_key, staged)
 
-    def _complete(self, staged: StagedUpload, entries: list[Entry], key: str) -> None:
-        """Complete the recorded parts at ``key``; a last chunk object is copied in as the last part."""
+    def _join(self, staged: StagedUpload, entries: list[Entry]) -> Joined:
+        """Complete the session's upload at ``uploads/<session>/parts``: every part it holds
+        (RGW 16 refuses a completion that leaves out an uploaded part, so the parts of lost
+        races, refused chunks and killed appends are joined too and skipped when read), and
+        a last chunk object copied in as the last part. Where each entry's bytes are in it."""
+        key = self.parts_key(staged)
+        recorded = [entry for entry in entries if entry.is_part]
         upload_id = staged.state.get("upload")
-        if not isinstance(upload_id, str):
-            raise BlobUploadUnknown("staged upload is missing", session_id=staged.session_id)
-        parts = [{"PartNumber": entry.number, "ETag": entry.etag} for entry in entries if entry.is_part]
         # Dropped staging (a mismatch, a cancel) must not complete: RGW 16 keeps answering for
         # an aborted upload (ListParts and even CompleteMultipartUpload succeed, or a 500
         # "completion already in progress"), so the claim of the last part says instead.
-        if self.bucket.object_size(self._claim_key(staged, parts[-1]["PartNumber"])) is None:
+        if (
+            not isinstance(upload_id, str)
+            or self.bucket.object_size(self._claim_key(staged, recorded[-1].number)) is None
+        ):
             raise BlobUploadUnknown("staged upload is missing", session_id=staged.session_id)
-        size = sum(entry.length for entry in entries if entry.is_part)
-        tail = entries[-1] if entries and not entries[-1].is_part else None
+        if self.bucket.holds(key, staged.offset):  # an earlier attempt completed the stream
+            return Joined(whole=True, starts={})
         try:
-            if tail is not None:
-                parts += self._copy_tail(staged, entries, tail, key, upload_id)
+            listed = self.bucket.list_parts(key, upload_id)
+        except Unavailable as exc:
+            if exc.detail.get("code") == "NoSuchUpload":
+                raise BlobUploadUnknown("staged upload is missing", session_id=staged.session_id) from None
+            raise
+        for entry in recorded:  # S3 checks the ETags again on completion
+            if listed.get(entry.number) != (entry.length, entry.etag):
+                raise BlobUploadUnknown("staged parts changed", session_id=staged.session_id, part=entry.number)
+        parts, starts, size = [], {}, 0
+        for number in sorted(listed):
+            parts.append({"PartNumber": number, "ETag": listed[number][1]})
+            starts[number] = size
+            size += listed[number][0]
+        tail = entries[-1] if not entries[-1].is_part and all(e.is_part for e in entries[:-1]) else None
+        if tail is not None:
+            start = max(listed) + 1
+            copied = self._copy_tail(staged, tail, key, upload_id, start)
+            if copied is not None:
+                parts += copied
+                starts[tail.name] = size
                 size += tail.length
+        try:
             self.bucket.complete_multipart(key, upload_id, parts, size)
         except ClientError as exc:
-            if error_code(exc)[0] in CHANGED_PART_CODES:  # a part is not what the state recorded
+            if error_code(exc)[0] in CHANGED_PART_CODES:  # a part is not what was listed
                 raise BlobUploadUnknown("staged parts changed", session_id=staged.session_id) from None
             raise
         except Unavailable as exc:
             if exc.detail.get("code") == "NoSuchUpload":  # aborted with the session's staging
                 raise BlobUploadUnknown("staged upload is missing", session_id=staged.session_id) from None
             raise
+        if self.bucket.object_size(key) != size:
+            # A staged object shorter than recorded (tampered with): never make it a blob.
+            raise BlobUploadUnknown("staged bytes are missing", session_id=staged.session_id)
+        return Joined(whole=size == staged.offset and len(starts) == len(entries), starts=starts)
 
-    def _copy_tail(self, staged: StagedUpload, entries: list[Entry], tail: Entry, key: str, upload_id: str) -> list:
-        """Copy the last chunk object into the upload as its last part(s), under fresh claims."""
-        claims = self.claims_after(staged, entries)
+    def _copy_tail(self, staged: StagedUpload, tail: Entry, key: str, upload_id: str, start: int) -> list | None:
+        """Copy the last chunk object into the upload as its last part(s), under fresh claims
+        from ``start``; None when no part number is left for it."""
+        claims = PartClaims(self.bucket, self._prefix(staged), start, self.max_parts)
         source = self._prefix(staged) + tail.name
         parts = []
-        for start, end in copy_ranges(tail.length):
+        for begin, end in copy_ranges(tail.length):
             number = claims.claim()
             if number is None:
-                raise NoPartNumber
-            parts.append(self._copy_part(key, upload_id, number, source, start, end, staged))
+                return None
+            parts.append(self._copy_part(key, upload_id, number, source, begin, end, staged))
         return parts
 
     def _copy_part(
@@ -364,21 +395,16 @@ class StagedUploads:
             self.bucket.abort_multipart(final_key, upload_id)
             raise
 
-    def _rewrite_staged(self, staged: StagedUpload, entries: list[Entry], digest: str) -> None:
-        """The fallback: the stream in order (ranges of the completed parts, chunk objects)
+    def _rewrite_staged(self, staged: StagedUpload, entries: list[Entry], digest: str, joined: Joined | None) -> None:
+        """The fallback: the stream in order (ranges of the completed upload, chunk objects)
         through a verified write onto the blob key."""
-        joined = self.parts_key(staged)
-        if any(entry.is_part for entry in entries):
-            parts_only = [entry for entry in entries if entry.is_part]
-            size = sum(entry.length for entry in parts_only)
-            if not self.bucket.holds(joined, size):
-                self._complete(staged, parts_only, joined)
         with self._verified_writer(digest, staged.offset) as writer:
-            position = 0  # where the next part's bytes start in the completed object
             for entry in entries:
-                if entry.is_part:
-                    chunks = self._read(staged, joined, position, position + entry.length)
-                    position += entry.length
+                start = None if joined is None else joined.starts.get(entry.number if entry.is_part else entry.name)
+                if start is not None:
+                    chunks = self._read(staged, self.parts_key(staged), start, start + entry.length)
+                elif entry.is_part:  # an earlier attempt completed the upload without this layout
+                    raise BlobUploadUnknown("staged upload is missing", session_id=staged.session_id)
                 else:
                     chunks = self._read(staged, self._prefix(staged) + entry.name, 0, entry.length, whole=True)
                 for data in chunks:
@@ -405,8 +431,13 @@ class StagedUploads:
         return stream_body(response["Body"])
 
     def read_tail(self, staged: StagedUpload, entry: Entry) -> bytes:
-        """A tail chunk object (under 5 MiB), which the next append carries into its first part."""
-        return b"".join(self._read(staged, self._prefix(staged) + entry.name, 0, entry.length, whole=True))
+        """A tail chunk object (under 5 MiB), which the next append carries into its first part.
+        Gone means another append from this state was recorded (``stage_recorded``) or the
+        session was dropped: either way this append cannot be recorded."""
+        try:
+            return b"".join(self._read(staged, self._prefix(staged) + entry.name, 0, entry.length, whole=True))
+        except BlobUploadUnknown:
+            raise RangeInvalid("another chunk was committed at this offset", offset=staged.offset) from None
 
     # -- reclaiming --------------------------------------------------------------------------
     def stage_abort(self, staged: StagedUpload) -> None:
