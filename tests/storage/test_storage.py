@@ -664,7 +664,8 @@ def test_a_session_past_the_last_part_number_spills_into_chunk_objects(s3_case, 
     assert_stored_once(s3_case, big_data)
 
 
-def test_racing_appends_at_one_offset_never_share_a_part_number(s3_case, big_data):
+@pytest.mark.parametrize("same_process", [True, False])
+def test_racing_appends_at_one_offset_never_share_a_part_number(s3_case, big_data, same_process):
     """Two appends from the same state, in threads, each with parts: the one recorded
     completes with its own bytes whatever order their parts landed in."""
     head = stage(s3_case.storage, [big_data[:PART]])
@@ -683,19 +684,24 @@ def test_racing_appends_at_one_offset_never_share_a_part_number(s3_case, big_dat
     assert not set(numbers[b"W"]) & set(numbers[b"L"]), numbers
     s3_case.storage.stage_discard(head, results[b"L"])  # the loser of the compare-and-set
     data = big_data[: 3 * PART]
-    assert another_process(s3_case).stage_commit(results[b"W"], blake3_digest(data)) == len(data)
+    committer = s3_case.storage if same_process else another_process(s3_case)
+    assert committer.stage_commit(results[b"W"], blake3_digest(data)) == len(data)
     assert_stored_once(s3_case, data)
 
 
 def test_an_append_killed_after_its_parts_leaves_nothing_the_commit_keeps(s3_case, big_data):
     """A process killed after sending parts but before its state was recorded: the parts sit
     in the session's upload under numbers no state names, and the next append does not reuse them."""
-    head = stage(s3_case.storage, [big_data[:PART]])
-    killed = s3_staging.S3StageWriter(s3_case.storage.staging, head)
-    killed.write(os.urandom(2 * PART))
-    killed._parts._cut()  # its parts are sent; then the process dies: no finish, no abort
-    killed._parts._release()
-    staged = s3_case.storage.stage_append(head, iter([big_data[PART:]]))
+    storage = s3_case.storage
+    head = stage(storage, [big_data[:PART]])
+    killed = storage.stage_writer(head)
+    killed.write(os.urandom(2 * PART + 1))  # two parts cut and sent; then the process dies: no finish, no abort
+    key = storage.key(f"uploads/{head.session_id}/parts")
+    deadline = time.monotonic() + 60
+    while len(storage.client.list_parts(Bucket=storage.bucket, Key=key, UploadId=head.state["upload"])["Parts"]) < 3:
+        assert time.monotonic() < deadline, "the killed append's parts never landed"
+        time.sleep(0.1)
+    staged = storage.stage_append(head, iter([big_data[PART:]]))
     assert staged.state["chunks"][1][2] > 2  # above the numbers the killed append took
     assert another_process(s3_case).stage_commit(staged, blake3_digest(big_data)) == len(big_data)
     assert_stored_once(s3_case, big_data)

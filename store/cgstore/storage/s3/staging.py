@@ -19,7 +19,9 @@ chunk can be any size, so what is left at the end of an append below 5 MiB
 (a whole small chunk, or the remainder of a chunk that is no multiple of
 ``part_bytes``) becomes a chunk object, the *tail*; the next append reads the
 tail back (under 5 MiB) and starts its first part with it, replacing the
-tail's entry. Every recorded part is therefore at least 5 MiB, and a chunk
+tail's entry; once that append is recorded, the old tail object is deleted
+(``stage_recorded``; a racer that had not read it yet lost the offset
+anyway). Every part ever uploaded is therefore at least 5 MiB, and a chunk
 object can only be the last entry, except after the fallback below.
 
 Racing appends: the service records an append's state by compare-and-set of
@@ -29,25 +31,30 @@ part number is claimed first by creating ``claim-<n>`` with ``If-None-Match:
 can never take the same number, so the loser's parts never replace a part
 the winner's state names (an ETag check alone would not do: a part replaced
 by one with the same MD5 completes unnoticed). The state records each part's
-ETag too, and S3 checks them on completion. A chunk refused mid-stream, the
-loser of a race and an append killed mid-way leave parts no recorded state
-names: the completion lists only recorded parts, so S3 drops the rest. An
-append that would need a part number past 10 000 writes the rest of its bytes
-as a chunk object instead (the fallback commit below).
+size and ETag too, checked against ``ListParts`` before completing and by S3
+on completion. A chunk refused mid-stream, the loser of a race and an append
+killed mid-way leave parts no recorded state names. AWS would drop parts left
+out of the completion, but RGW 16 refuses such a completion (``InvalidPart``,
+measured), so the commit joins every uploaded part, in number order, and
+reads only the recorded ranges back (the fallback below). An append that
+would need a part number past 10 000 writes the rest of its bytes as a chunk
+object instead.
 
 Commit
 ------
-The usual case (recorded parts, then at most one chunk object, copied in as
-the last part with ``UploadPartCopy``) verifies, then completes the upload
-at ``uploads/<session>/parts``: no byte is uploaded or copied again.
-Verification: when this process served every append, the blake3 state the
-appends kept verifies before the completion (``base.Storage.staged_verifier``);
-otherwise (another process committing; the Python binding cannot serialize a
-blake3 state) the completed object is read back and hashed. Only then is the
-verified object made the blob: ``CopyObject`` to ``blobs/<hex>`` (over 5 GiB:
-``UploadPartCopy`` ranges), skipped when an object of that size is there
-already (content-addressed: whoever wrote it verified it). Then everything
-under the session's prefix is dropped, the open upload included.
+``stage_commit`` first completes the upload at ``uploads/<session>/parts``
+(never at a blob key), with a last chunk object copied in as the last part
+(``UploadPartCopy``, under 5 MiB). In the usual case that object is exactly
+the stream: no byte was uploaded or copied again. It is verified: from the
+blake3 state the appends kept when this process served every one of them
+(``base.Storage.staged_verifier``), else (another process commits; the Python
+binding cannot serialize a blake3 state) by reading it back and hashing it.
+Only then is it made the blob: ``CopyObject`` to ``blobs/<hex>`` (over
+5 GiB: ``UploadPartCopy`` ranges), skipped when an object of that size is
+there already (content-addressed: whoever wrote it verified it). Then
+everything under the session's prefix is dropped, the open upload included.
+A dropped session is told by its claims: RGW 16 still answers ``ListParts``
+and even ``CompleteMultipartUpload`` for an aborted upload.
 
 Why not complete straight at the blob key: the digest is only named at
 commit (``PUT …/uploads/{id}?digest=``), after the upload was created at a
@@ -61,10 +68,11 @@ RADOS objects by reference instead of copying bytes (256 MiB: 0.12 s,
 against 1.39 s for the ``UploadPartCopy`` join this replaced); AWS S3 copies
 inside S3.
 
-Fallback: chunk objects elsewhere than at the end (a session staged before
-this layout, or past 10 000 parts) are streamed through a verifying
-``writer()`` onto the blob key, the recorded parts completed first (all of
-them are at least 5 MiB) and read back as ranges of that object.
+Fallback: when the completed object is not exactly the stream (parts no
+state names in between, chunk objects elsewhere than at the end: a session
+staged before this layout, or past 10 000 parts), the stream is read in
+order (ranges of the completed object, chunk objects) through a verifying
+``writer()`` onto the blob key: one more pass, only in those cases.
 
 ``stage_abort`` aborts every multipart upload still open under the prefix
 (first, so no straggling part completes), then deletes every object there.
