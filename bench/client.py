@@ -63,8 +63,9 @@ from botocore.config import Config
 from cgstore_client import Client, Want
 from cgstore_client.archive import graph_digest_from_program
 from cgstore_client.components import save_tensors
-from cgstore_client.environment import environment_sm, package_compiled_graph
+from cgstore_client.environment import environment_sm
 from cgstore_client.keys import ck1
+from cgstore_client.mint import package_compiled_graph
 from cgstore_client.worker.cache import hash_file
 from cgstore_client.worker.loader import load_compiled
 

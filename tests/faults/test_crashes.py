@@ -9,6 +9,7 @@ either absent or whole, and the interrupted operation succeeds when retried.
 
 from __future__ import annotations
 
+import os
 import signal
 
 import httpx
@@ -54,24 +55,32 @@ def test_killed_between_storing_and_linking_a_monolithic_upload(world):
     world.assert_invariants()
 
 
-def test_killed_after_staging_a_chunk_before_its_offset_moved(world):
+@pytest.mark.parametrize("chunk", [8192, 6 << 20], ids=["small", "parts"])
+def test_killed_after_staging_a_chunk_before_its_offset_moved(world, chunk):
+    """With 6 MiB chunks and 5 MiB parts, the killed append's parts sit in the session's
+    multipart upload under numbers no recorded state names: the resumed append must take
+    other numbers, and the commit (in yet another process) must complete only the recorded ones."""
     token = world.token("faults-crash", "acme/*:read,write")
-    data = unique_bytes("crash-session.staged", 2 * 8192)
-    with store_process(world.env, world.home) as store, _client(store, token) as client:
-        location = client.post("/v1/repos/acme/crash-chunk/uploads").headers["Location"]
-        assert client.patch(location, content=data[:8192], headers={"Content-Range": "0-8191"}).status_code == 202
-    second = {"content": data[8192:], "headers": {"Content-Range": "8192-16383"}}
+    env = {**world.env, "CGSTORE_S3_PART_BYTES": str(5 << 20)}
+    data = unique_bytes("crash-session.staged", 2 * chunk)
+    with store_process(env, world.home) as store, _client(store, token) as client:
+        location = client.post(f"/v1/repos/acme/crash-chunk-{chunk}/uploads").headers["Location"]
+        first = {"content": data[:chunk], "headers": {"Content-Range": f"0-{chunk - 1}"}}
+        assert client.patch(location, **first).status_code == 202
+    second = {"content": data[chunk:], "headers": {"Content-Range": f"{chunk}-{2 * chunk - 1}"}}
+    killed_with = os.urandom(chunk)  # other bytes at the same offset: they must not leak into the blob
     with (
-        store_process({**world.env, "CGSTORE_CRASH_AT": "session.staged"}, world.home) as store,
+        store_process({**env, "CGSTORE_CRASH_AT": "session.staged"}, world.home) as store,
         _client(store, token) as client,
     ):
-        _expect_killed(store, lambda: client.patch(location, **second))
-    with store_process(world.env, world.home) as store, _client(store, token) as client:
+        _expect_killed(store, lambda: client.patch(location, content=killed_with, headers=second["headers"]))
+    with store_process(env, world.home) as store, _client(store, token) as client:
         # The chunk the crash interrupted does not count: the session resumes where it was.
-        assert client.get(location).headers["Upload-Offset"] == "8192"
+        assert client.get(location).headers["Upload-Offset"] == str(chunk)
         assert client.patch(location, **second).status_code == 202
+    with store_process(env, world.home) as store, _client(store, token) as client:
         assert client.put(location, params={"digest": blob_of(data)}).status_code == 201
-        assert client.get(f"/v1/repos/acme/crash-chunk/blobs/{blob_of(data)}").content == data
+        assert client.get(f"/v1/repos/acme/crash-chunk-{chunk}/blobs/{blob_of(data)}").content == data
     world.assert_invariants()
 
 

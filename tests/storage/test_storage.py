@@ -46,6 +46,7 @@ from cgstore.storage.s3 import staging as s3_staging
 from cgstore.storage.s3.driver import COMPLETE_READ_TIMEOUT_S
 from cgstore.storage.s3.errors import s3_errors
 from cgstore.storage.s3.multipart import PartBuffers, ViewsReader
+from tests.support.leftovers import staged_session_bytes
 from tests.support.proxy import CuttableProxy
 from tests.support.services import free_port, use_s3_credentials
 from tests.support.storage_fixtures import (
@@ -82,10 +83,15 @@ def read_all(storage, digest: str, start: int = 0, end: int | None = None) -> by
 
 def stage(storage, pieces: list[bytes]) -> StagedUpload:
     """A session with one append per piece, its state round-tripped through JSON like the DB does."""
-    staged = storage.stage_begin(uuid.uuid4().hex)
+    return stage_more(storage, storage.stage_begin(uuid.uuid4().hex), pieces)
+
+
+def stage_more(storage, staged: StagedUpload, pieces: list[bytes]) -> StagedUpload:
+    """``staged`` with one more append per piece."""
     for piece in pieces:
-        staged = storage.stage_append(staged, chunked(piece, 64 * 1024))
+        before, staged = staged, storage.stage_append(staged, chunked(piece, 64 * 1024))
         staged = StagedUpload(staged.session_id, staged.offset, json.loads(json.dumps(staged.state)))
+        storage.stage_recorded(before, staged)  # what the service does once its compare-and-set won
     return staged
 
 
@@ -458,30 +464,32 @@ def another_process(case: StorageCase):
     return open_storage(case.settings)
 
 
-def count_s3_calls(case: StorageCase, *operations: str) -> dict[str, int]:
+def count_s3_calls(case: StorageCase | S3Storage, *operations: str) -> dict[str, int]:
     """Live counts of the S3 operations this storage's clients send (botocore's own event hooks)."""
+    storage = case.storage if isinstance(case, StorageCase) else case
     counts = dict.fromkeys(operations, 0)
     for operation in operations:
 
         def count(operation=operation, **_):
             counts[operation] += 1
 
-        for client in (case.storage.client, case.storage.objects.complete_client):
+        for client in (storage.client, storage.objects.complete_client):
             client.meta.events.register(f"before-call.s3.{operation}", count)
     return counts
 
 
 def test_staged_commit_verifies_from_the_hash_kept_by_the_appends(storage_case, big_data):
     """One process served every append: the commit reads nothing back, and on S3 the chunks
-    are joined inside S3 (one UploadPartCopy per chunk), never uploaded again."""
+    are parts of the session's upload: the commit completes it and copies nothing but the
+    last chunk (below 5 MiB, a chunk object) in as the last part."""
     pieces = [big_data[:PART], big_data[PART : 2 * PART + 7], big_data[2 * PART + 7 :]]
     staged = stage(storage_case.storage, pieces)
     assert storage_case.storage.staged_verifier(staged, blake3_digest(big_data)) is not None
     if storage_case.kind == "s3":
-        calls = count_s3_calls(storage_case, "GetObject", "UploadPart", "UploadPartCopy", "PutObject")
+        calls = count_s3_calls(storage_case, "GetObject", "UploadPart", "UploadPartCopy", "CopyObject")
     assert storage_case.storage.stage_commit(staged, blake3_digest(big_data)) == len(big_data)
     if storage_case.kind == "s3":
-        assert calls == {"GetObject": 0, "UploadPart": 0, "UploadPartCopy": 3, "PutObject": 0}
+        assert calls == {"GetObject": 0, "UploadPart": 0, "UploadPartCopy": 1, "CopyObject": 1}
     assert_stored_once(storage_case, big_data)
 
 
@@ -504,7 +512,7 @@ def test_an_append_in_another_process_leaves_no_hash_to_trust(storage_case, big_
 
 
 def tamper_with_staged_bytes(case: StorageCase, staged: StagedUpload, cut: int = 0) -> None:
-    """Flip the first byte of the staging (or cut ``cut`` bytes off its last chunk on S3)."""
+    """Flip the first byte of the staging (on S3: of its last chunk object, ``cut`` bytes shorter)."""
     if case.kind == "fs":
         path = case.storage.uploads_dir / staged.session_id
         data = bytearray(path.read_bytes())
@@ -512,7 +520,8 @@ def tamper_with_staged_bytes(case: StorageCase, staged: StagedUpload, cut: int =
         path.write_bytes(bytes(data))
         return
     storage = case.storage
-    name = staged.state["chunks"][-1 if cut else 0][2]
+    name = staged.state["chunks"][-1][2]
+    assert isinstance(name, str), "the last entry is a chunk object"
     key = storage.key(f"uploads/{staged.session_id}/{name}")
     data = bytearray(storage.client.get_object(Bucket=storage.bucket, Key=key)["Body"].read())
     data[0] ^= 0xFF
@@ -520,7 +529,9 @@ def tamper_with_staged_bytes(case: StorageCase, staged: StagedUpload, cut: int =
 
 
 def test_staged_bytes_changed_in_storage_are_caught_when_read_back(storage_case, big_data):
-    staged = stage(storage_case.storage, [big_data[:PART], big_data[PART:]])
+    """A commit without the appends' hash completes the session's upload off the blob keys
+    and reads it back: changed bytes never become a blob."""
+    staged = stage(storage_case.storage, [big_data[:PART], big_data[PART:-1000], big_data[-1000:]])
     tamper_with_staged_bytes(storage_case, staged)
     with pytest.raises(DigestInvalid):
         another_process(storage_case).stage_commit(staged, blake3_digest(big_data))
@@ -533,34 +544,177 @@ def s3_case(tmp_path, s3_server) -> StorageCase:
 
 
 def test_a_staged_chunk_cut_short_in_s3_never_becomes_visible(s3_case, big_data):
-    staged = stage(s3_case.storage, [big_data[:PART], big_data[PART:]])
-    tamper_with_staged_bytes(s3_case, staged, cut=1000)
+    staged = stage(s3_case.storage, [big_data[:PART], big_data[PART:-1000], big_data[-1000:]])
+    tamper_with_staged_bytes(s3_case, staged, cut=100)
     with pytest.raises(BlobUploadUnknown):
         s3_case.storage.stage_commit(staged, blake3_digest(big_data))  # its kept hash is of the real bytes
     assert s3_case.storage.size(blake3_digest(big_data)) is None
-    assert s3_case.pending_multipart() == []
+    assert s3_case.keys("blobs") == [] and not any("/blobs/" in key for key in s3_case.pending_multipart())
+    s3_case.storage.stage_abort(staged)  # the session's staging stays until it is cancelled or reaped
+    assert s3_case.leftovers() == NOTHING_LEFT
 
 
-def test_chunks_s3_cannot_join_server_side_are_streamed_through_a_verified_write(s3_case, big_data):
-    """A chunk below S3's 5 MiB part floor (but the last) cannot be a copied part."""
-    staged = stage(s3_case.storage, [big_data[:1000], big_data[1000:]])
-    calls = count_s3_calls(s3_case, "UploadPartCopy", "UploadPart")
+def replace_part(case: StorageCase, staged: StagedUpload, index: int, data: bytes) -> None:
+    """Upload ``data`` over the recorded part ``index`` of the session's upload (same number)."""
+    storage = case.storage
+    _, _, number, _ = staged.state["chunks"][index]
+    storage.client.upload_part(
+        Bucket=storage.bucket,
+        Key=storage.key(f"uploads/{staged.session_id}/parts"),
+        UploadId=staged.state["upload"],
+        PartNumber=number,
+        Body=data,
+    )
+
+
+@pytest.mark.parametrize("same_process", [True, False])
+def test_a_part_replaced_in_s3_never_completes(s3_case, big_data, same_process):
+    """The state records each part's ETag: a part uploaded over a recorded one (what a racer
+    that took the same number would do) fails the completion, whoever commits."""
+    staged = stage(s3_case.storage, [big_data[:PART], big_data[PART:]])
+    replace_part(s3_case, staged, 0, b"X" * PART)
+    committer = s3_case.storage if same_process else another_process(s3_case)
+    with pytest.raises(BlobUploadUnknown):
+        committer.stage_commit(staged, blake3_digest(big_data))
+    assert s3_case.storage.size(blake3_digest(big_data)) is None
+    assert s3_case.keys("blobs") == []
+
+
+def test_session_chunks_are_parts_of_one_upload_and_the_commit_copies_no_byte(s3_case, big_data):
+    """Chunks of whole parts: each append uploads parts of the session's one multipart upload
+    (none as an object), and the commit is one completion and one CopyObject."""
+    pieces = [big_data[:PART], big_data[PART : 3 * PART], big_data[3 * PART :]]
+    calls = count_s3_calls(s3_case, "UploadPart", "PutObject", "CreateMultipartUpload")
+    staged = stage(s3_case.storage, pieces)
+    # 4 parts (the last 0.5 PART is the last chunk: a tail object), one claim per part
+    assert calls == {"UploadPart": 3, "PutObject": 3 + 1, "CreateMultipartUpload": 1}
+    assert [len(entry) for entry in staged.state["chunks"]] == [4, 4, 4, 3]
+    assert [entry[2] for entry in staged.state["chunks"][:3]] == [1, 2, 3]
+    commit = count_s3_calls(
+        s3_case, "GetObject", "UploadPart", "UploadPartCopy", "CopyObject", "CompleteMultipartUpload"
+    )
     assert s3_case.storage.stage_commit(staged, blake3_digest(big_data)) == len(big_data)
-    assert calls["UploadPartCopy"] == 0 and calls["UploadPart"] == 4
+    assert commit == {
+        "GetObject": 0,
+        "UploadPart": 0,
+        "UploadPartCopy": 1,
+        "CopyObject": 1,
+        "CompleteMultipartUpload": 1,
+    }
     assert_stored_once(s3_case, big_data)
 
 
-def test_copy_plan_splits_huge_chunks_and_refuses_what_s3_cannot_join():
-    plan = s3_staging.copy_plan
-    assert plan([]) == []
-    assert plan([("a", 6 * MiB), ("b", 1)]) == [("a", 0, 6 * MiB), ("b", 0, 1)]
-    assert plan([("a", 1), ("b", 6 * MiB)]) is None
+def test_a_chunk_that_is_no_multiple_of_the_part_size_carries_its_rest_into_the_next(s3_case, big_data):
+    """A 1.3-part chunk leaves 0.3 part (below 5 MiB) as a tail object; the next append starts its
+    first part with it, so every recorded part stays above S3's floor and the commit joins them."""
+    cut = int(1.3 * PART)
+    staged = stage(s3_case.storage, [big_data[:cut]])
+    assert [len(entry) for entry in staged.state["chunks"]] == [4, 3]
+    staged = stage_more(s3_case.storage, staged, [big_data[cut:]])
+    entries = staged.state["chunks"]
+    assert all(len(entry) == 4 and entry[1] >= s3_staging.MIN_PART_BYTES for entry in entries[:-1])
+    assert entries[1][0] == PART  # the carried tail's offset starts the next part
+    other = another_process(s3_case)
+    calls = count_s3_calls(other, "GetObject", "PutObject")
+    assert other.stage_commit(staged, blake3_digest(big_data)) == len(big_data)
+    assert calls["GetObject"] == 1  # the read-back of the completed object, nothing else
+    assert_stored_once(s3_case, big_data)
+
+
+def test_chunks_below_5_mib_are_carried_into_the_next_part(s3_case, big_data):
+    """Small chunks, one after another, are no parts S3 could join (every part but the last must
+    be 5 MiB): each is carried into the next append until a part is full."""
+    staged = stage(s3_case.storage, [big_data[:1000], big_data[1000:2000]])
+    # One tail object: the first (1000 bytes) was carried into the second, and dropped once recorded.
+    assert staged_session_bytes(s3_case.storage, staged.session_id) == 2000
+    staged = stage_more(s3_case.storage, staged, [big_data[2000:]])
+    assert all(len(entry) == 4 for entry in staged.state["chunks"][:-1])  # the small ones were carried
+    assert staged.state["chunks"][0][:2] == [0, PART]
+    assert s3_case.storage.stage_commit(staged, blake3_digest(big_data)) == len(big_data)
+    assert_stored_once(s3_case, big_data)
+
+
+def test_a_session_staged_as_chunk_objects_before_this_layout_still_commits(s3_case, big_data):
+    """Chunk objects in the middle (the layout before parts, a 1000-byte one among them): the
+    commit streams them through a verified write."""
+    storage, session_id = s3_case.storage, uuid.uuid4().hex
+    chunks, offset = [], 0
+    for i, piece in enumerate([big_data[:1000], big_data[1000:-4]]):
+        name = f"{offset:016d}-legacy{i}"
+        storage.client.put_object(Bucket=storage.bucket, Key=storage.key(f"uploads/{session_id}/{name}"), Body=piece)
+        chunks.append([offset, len(piece), name])
+        offset += len(piece)
+    staged = stage_more(storage, StagedUpload(session_id, offset, {"chunks": chunks}), [big_data[-4:]])
+    assert another_process(s3_case).stage_commit(staged, blake3_digest(big_data)) == len(big_data)
+    assert_stored_once(s3_case, big_data)
+
+
+def test_a_session_past_the_last_part_number_spills_into_chunk_objects(s3_case, big_data):
+    """With no part number left, appends write chunk objects; the commit streams the parts
+    (completed first) and the objects through a verified write."""
+    s3_case.storage.staging.max_parts = 2
+    pieces = [big_data[:PART], big_data[PART : 2 * PART], big_data[2 * PART : 3 * PART], big_data[3 * PART :]]
+    staged = stage(s3_case.storage, pieces)
+    kinds = [len(entry) for entry in staged.state["chunks"]]
+    assert kinds == [4, 4, 3, 3]
+    other = another_process(s3_case)
+    calls = count_s3_calls(other, "UploadPart", "CompleteMultipartUpload")
+    assert other.stage_commit(staged, blake3_digest(big_data)) == len(big_data)
+    assert calls["CompleteMultipartUpload"] == 2  # the two parts, then the blob's verified write
+    assert_stored_once(s3_case, big_data)
+
+
+@pytest.mark.parametrize("same_process", [True, False])
+def test_racing_appends_at_one_offset_never_share_a_part_number(s3_case, big_data, same_process):
+    """Two appends from the same state, in threads, each with parts: the one recorded
+    completes with its own bytes whatever order their parts landed in."""
+    head = stage(s3_case.storage, [big_data[:PART]])
+    racers = {b"W": big_data[PART : 3 * PART], b"L": os.urandom(2 * PART)}
+    results: dict[bytes, StagedUpload] = {}
+
+    def run(tag: bytes) -> None:
+        results[tag] = s3_case.storage.stage_append(head, chunked(racers[tag], 64 * 1024))
+
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in racers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    numbers = {tag: [entry[2] for entry in staged.state["chunks"][1:]] for tag, staged in results.items()}
+    assert not set(numbers[b"W"]) & set(numbers[b"L"]), numbers
+    s3_case.storage.stage_discard(head, results[b"L"])  # the loser of the compare-and-set
+    data = big_data[: 3 * PART]
+    committer = s3_case.storage if same_process else another_process(s3_case)
+    assert committer.stage_commit(results[b"W"], blake3_digest(data)) == len(data)
+    assert_stored_once(s3_case, data)
+
+
+def test_an_append_killed_after_its_parts_leaves_nothing_the_commit_keeps(s3_case, big_data):
+    """A process killed after sending parts but before its state was recorded: the parts sit
+    in the session's upload under numbers no state names, and the next append does not reuse them."""
+    storage = s3_case.storage
+    head = stage(storage, [big_data[:PART]])
+    killed = storage.stage_writer(head)
+    killed.write(os.urandom(2 * PART + 1))  # two parts cut and sent; then the process dies: no finish, no abort
+    key = storage.key(f"uploads/{head.session_id}/parts")
+    deadline = time.monotonic() + 60
+    while len(storage.client.list_parts(Bucket=storage.bucket, Key=key, UploadId=head.state["upload"])["Parts"]) < 3:
+        assert time.monotonic() < deadline, "the killed append's parts never landed"
+        time.sleep(0.1)
+    staged = storage.stage_append(head, iter([big_data[PART:]]))
+    assert staged.state["chunks"][1][2] > 2  # above the numbers the killed append took
+    assert another_process(s3_case).stage_commit(staged, blake3_digest(big_data)) == len(big_data)
+    assert_stored_once(s3_case, big_data)
+
+
+def test_copy_ranges_split_what_one_copy_cannot_take():
+    assert s3_staging.copy_ranges(0) == [(0, 0)]
+    assert s3_staging.copy_ranges(6 * MiB) == [(0, 6 * MiB)]
     huge = 11 << 30  # over two 5 GiB parts: three equal ranges
-    pieces = plan([("h", huge)])
-    assert len(pieces) == 3 and all(end - start <= s3_staging.MAX_PART_BYTES for _, start, end in pieces)
-    assert pieces[0][1] == 0 and pieces[-1][2] == huge
-    assert all(a[2] == b[1] for a, b in pairwise(pieces))  # contiguous
-    assert plan([("c", 6 * MiB)] * 10_001) is None
+    ranges = s3_staging.copy_ranges(huge)
+    assert len(ranges) == 3 and all(end - start <= s3_staging.MAX_PART_BYTES for start, end in ranges)
+    assert ranges[0][0] == 0 and ranges[-1][1] == huge
+    assert all(a[1] == b[0] for a, b in pairwise(ranges))  # contiguous
 
 
 def test_stream_hashes_forget_the_oldest_and_never_answer_for_another_offset():

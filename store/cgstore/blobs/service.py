@@ -429,6 +429,8 @@ def append(
         # Only on a definite loss: after an error the update may have landed.
         ctx.storage.stage_discard(before, staged)
         raise RangeInvalid("another chunk was committed at this offset", offset=found.offset)
+    with contextlib.suppress(Unavailable):  # the chunk is recorded; leftovers go with the session
+        ctx.storage.stage_recorded(before, staged)
     return staged.offset
 
 

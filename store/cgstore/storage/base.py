@@ -223,6 +223,11 @@ class Storage(ObjectStore):
         goes with ``stage_commit`` / ``stage_abort``.
         """
 
+    def stage_recorded(self, before: StagedUpload, after: StagedUpload) -> None:
+        """The append from ``before`` was recorded as ``after`` (the compare-and-set won):
+        bytes only ``before`` named may go now. Best effort: what stays is dropped with
+        the session (``stage_commit`` / ``stage_abort``). Nothing to do by default."""
+
     @abc.abstractmethod
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         """Verify the whole staged stream against ``digest``; on a match make it the

@@ -275,6 +275,9 @@ class S3Storage(Storage):
     def stage_discard(self, before: StagedUpload, after: StagedUpload) -> None:
         self.staging.stage_discard(before, after)
 
+    def stage_recorded(self, before: StagedUpload, after: StagedUpload) -> None:
+        self.staging.stage_recorded(before, after)
+
     def stage_commit(self, staged: StagedUpload, digest: str) -> int:
         return self.staging.stage_commit(staged, digest)
 

@@ -155,12 +155,16 @@ class Bucket:
             self.client.put_object(Bucket=self.name, Key=key, Body=body, ContentType=CONTENT_TYPE)
 
     # -- multipart uploads ---------------------------------------------------------------------
-    def create_multipart(self, key: str, liveness: Liveness) -> str:
+    def create_multipart(self, key: str, liveness: Liveness | None) -> str:
+        """Start a multipart upload; one under ``blobs/`` (``liveness`` given) is registered as
+        this process's so ``sweep_orphans`` spares it. A session's upload (``liveness`` None)
+        outlives the request that created it: its session owns it (``stage_abort``)."""
         with self.active.creating(key), s3_errors("create_multipart_upload"):
             response = self.client.create_multipart_upload(Bucket=self.name, Key=key, ContentType=CONTENT_TYPE)
             upload_id = response["UploadId"]
             # Before leaving creating(): no moment a sweep could take it for an orphan.
-            self.active.add(upload_id, liveness)
+            if liveness is not None:
+                self.active.add(upload_id, liveness)
         return upload_id
 
     def upload_part(self, key: str, upload_id: str, part_number: int, body: bytearray | ViewsReader) -> dict:
@@ -169,6 +173,31 @@ class Bucket:
                 Bucket=self.name, Key=key, UploadId=upload_id, PartNumber=part_number, Body=body
             )
         return {"PartNumber": part_number, "ETag": response["ETag"]}
+
+    def claim(self, key: str) -> bool:
+        """Create the empty object ``key`` unless one exists (``If-None-Match: *``): True when
+        this call created it. Two callers never both get True (S3 and RGW check it atomically)."""
+        with s3_errors("claim"):
+            try:
+                self.client.put_object(Bucket=self.name, Key=key, Body=b"", IfNoneMatch="*")
+            except ClientError as exc:
+                # 412: it exists; 409: a concurrent conditional write to it is under way (AWS).
+                if error_code(exc)[1] in (409, 412):
+                    return False
+                raise
+        return True
+
+    def copy_object(self, source: str, key: str) -> None:
+        """Copy ``source`` (at most 5 GiB) to ``key`` inside S3 (on RGW a reference, not a byte copy)."""
+        with s3_errors("copy_object"):
+            try:
+                self.complete_client.copy_object(
+                    Bucket=self.name, Key=key, CopySource={"Bucket": self.name, "Key": source}
+                )
+            except ClientError as exc:
+                if is_missing(exc):
+                    raise LookupError(source) from None
+                raise
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[dict], size: int) -> None:
         """Complete, idempotently: an object of the verified ``size`` already at ``key`` is success."""
@@ -185,6 +214,15 @@ class Bucket:
                 raise
             logger.info("completing %s failed, but an earlier attempt had completed it (%d bytes)", key, size)
         self.active.discard(upload_id)
+
+    def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]]:
+        """The uploaded parts of an open upload: number → (size, ETag)."""
+        parts = {}
+        with s3_errors("list_parts"):
+            for page in self.client.get_paginator("list_parts").paginate(Bucket=self.name, Key=key, UploadId=upload_id):
+                for part in page.get("Parts", []):
+                    parts[part["PartNumber"]] = (part["Size"], part["ETag"])
+        return parts
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         """Abort on an error path: never raise over the original error, but say what leaked."""
