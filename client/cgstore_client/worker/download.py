@@ -465,9 +465,23 @@ def _hash_range(hasher: blake3.blake3, fd: int, start: int, end: int) -> None:
     """Hash bytes ``[start, end)`` of ``fd`` (all written) from a read-only mapping: no copy out of the page cache."""
     base = start - start % mmap.ALLOCATIONGRANULARITY
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the window in with one call
-    with mmap.mmap(fd, end - base, flags=flags, prot=mmap.PROT_READ, offset=base) as mapped:
-        with memoryview(mapped)[start - base :] as view:
-            hasher.update(view)
+    try:
+        mapped = mmap.mmap(fd, end - base, flags=flags, prot=mmap.PROT_READ, offset=base)
+    except OSError:  # a file system that cannot map files: read the bytes back instead
+        _hash_read_back(hasher, fd, start, end)
+        return
+    with mapped, memoryview(mapped)[start - base :] as view:
+        hasher.update(view)
+
+
+def _hash_read_back(hasher: blake3.blake3, fd: int, start: int, end: int) -> None:
+    buffer = memoryview(bytearray(min(BUFFER_BYTES, end - start)))
+    while start < end:
+        n = os.preadv(fd, [buffer[: min(len(buffer), end - start)]], start)
+        if n == 0:
+            raise IntegrityError(f"the temp file ends at {start}, before the {end} bytes written to it")
+        hasher.update(buffer[:n])
+        start += n
 
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
