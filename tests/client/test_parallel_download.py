@@ -325,7 +325,7 @@ def test_download_settings_come_from_arguments_or_the_environment(tmp_path, monk
 
 @pytest.mark.parametrize("size", [3 * BUFFER_BYTES + 5, 4 * BUFFER_BYTES])
 def test_parts_that_are_not_whole_buffers(store, size, tmp_path):
-    """Parts of 1 MiB + 3 read into 512 KiB buffers: part ends fall inside a buffer, and a blob ends mid-part."""
+    """Parts of two buffers + 3 bytes: part ends fall inside a buffer, and a blob ends mid-part."""
     part = 2 * BUFFER_BYTES + 3
     data = os.urandom(size)
     repo, token, digest = put_blob(store, data)

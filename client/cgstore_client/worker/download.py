@@ -12,10 +12,11 @@ default) is fetched as ``Range`` parts over up to ``connections`` (8) at once.
   with one ``os.pwrite`` of the whole buffer at its offset; no part is ever held in memory).
 - **Off the GIL, in the cache.** One ``readinto`` fills a buffer from the socket and one
   ``pwrite`` empties it, both without the GIL, so the Python-level work is a few calls per
-  buffer. A buffer is 512 KiB (``BUFFER_BYTES``, at most a part): small enough to stay in a
-  core's L2 cache between the two copies (``bench/boot_network.py`` against RGW: buffers of
-  2-4 MiB cost 1.5-2x the CPU per byte of 256 KiB-1 MiB ones). blake3 hashes without the GIL
-  too (and on several threads for a large window).
+  buffer. A buffer is 256 KiB (``BUFFER_BYTES``, at most a part): small enough to stay in a
+  core's L2 cache between the two copies (on the bench machine, against RGW and through the
+  network model, buffers of 1-4 MiB cost 1.5-3x the CPU per byte of 128-256 KiB ones, and
+  512 KiB now and then). blake3 hashes without the GIL too (and on several threads for a
+  large window).
 - **Verification is not weakened.** The whole file is hashed (blake3) and sized
   before the caller renames it. The hash follows the lowest incomplete offset while
   later parts still arrive, over a read-only mapping of what the parts wrote (no copy
@@ -65,7 +66,7 @@ DEFAULT_CONNECTIONS = 16
 DEFAULT_PART_BYTES = 16 << 20
 #: One connection's buffer: large enough that the per-call work in Python is small against the
 #: bytes moved, small enough to stay in a core's L2 cache from the socket's copy to the file's.
-BUFFER_BYTES = 512 << 10
+BUFFER_BYTES = 256 << 10
 #: The most of the file the prefix hash maps at once.
 HASH_WINDOW_BYTES = 64 << 20
 
