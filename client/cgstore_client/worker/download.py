@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import mmap
 import os
 import queue
@@ -486,12 +485,16 @@ def _hash_read_back(hasher: blake3.blake3, fd: int, start: int, end: int) -> Non
 
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """Linux's ``sync_file_range`` (the standard library has no binding); None elsewhere."""
-    name = ctypes.util.find_library("c")
-    function = getattr(ctypes.CDLL(name, use_errno=True), "sync_file_range", None) if name else None
-    if function is not None:
+    """Linux's ``sync_file_range`` (the standard library has no binding); None elsewhere.
+
+    Looked up among the symbols the process already has (libc), not with ``find_library``,
+    which runs ``ldconfig`` in a subprocess: importing the client stays cheap.
+    """
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
         function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return function
+        return function
+    return None
 
 
 _SYNC_FILE_RANGE = _sync_file_range()
