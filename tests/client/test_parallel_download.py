@@ -10,6 +10,7 @@ ranged response cut, an expiring presigned URL, counting connections) come from
 
 from __future__ import annotations
 
+import errno
 import http.server
 import multiprocessing
 import os
@@ -20,8 +21,10 @@ import time
 import pytest
 
 from cgstore.storage.fs import FileStorage
-from cgstore_client import Client, Denied, IntegrityError
+from cgstore_client import Client, Denied, IntegrityError, Unavailable
+from cgstore_client.worker import download as download_module
 from cgstore_client.worker.client import ConfigError
+from cgstore_client.worker.download import BUFFER_BYTES
 from cgstore_client.worker.http import Retry
 from tests.client.test_client_blobs import blob_gets, cache_files, cut_mid_body, digest_of  # noqa: F401 (fixture)
 from tests.support.live_store import unique_repo
@@ -140,6 +143,8 @@ class Origin:
 
     def __init__(self, blobs: dict[str, bytes], *, ignore_range=False, redirect=False, delay_s=0.0) -> None:
         self.blobs, self.ignore_range, self.redirect, self.delay_s = blobs, ignore_range, redirect, delay_s
+        self.stop_at: int | None = None  # bodies crossing this offset end there, their length still promised ...
+        self.stops: int | None = None  # ... this many times (None: every time)
         self.generation = 1
         self.cut_at: int | None = None  # the first ranged response starting here stops halfway
         self.expiries: list[int] = []  # presigned URLs expire once S3 has served this many GETs
@@ -200,12 +205,20 @@ class Origin:
             handler.send_header(name, value)
         handler.end_headers()
         stop = start + (end - start) // 2 if cut else end
-        for offset in range(start, stop, 16 * 1024):
+        with self.lock:
+            if self.stop_at is not None and start <= self.stop_at < end and self.stops != 0:
+                stop = self.stop_at
+                self.stops = None if self.stops is None else self.stops - 1
+        step = 16 * 1024
+        for offset in range(start, stop, step):
             time.sleep(self.delay_s)
-            if offset + 16 * 1024 >= stop:
+            if offset + step >= stop:
                 with self.lock:  # before the last bytes: the client cannot have moved on yet
                     self.active -= 1
-            handler.wfile.write(data[offset : min(offset + 16 * 1024, stop)])
+            handler.wfile.write(data[offset : min(offset + step, stop)])
+        if stop == start:
+            with self.lock:
+                self.active -= 1
         handler.close_connection = True
 
     def _answer(self, handler, status: int, body: bytes, headers: dict[str, str]) -> None:
@@ -308,3 +321,69 @@ def test_download_settings_come_from_arguments_or_the_environment(tmp_path, monk
         Client("http://127.0.0.1:9", "t", cache_dir=tmp_path)
     with pytest.raises(ConfigError, match="CGSTORE_DOWNLOAD_PART_BYTES"):
         Client("http://127.0.0.1:9", "t", cache_dir=tmp_path, download_connections=1, download_part_bytes=0)
+
+
+@pytest.mark.parametrize("size", [3 * BUFFER_BYTES + 5, 4 * BUFFER_BYTES])
+def test_parts_that_are_not_whole_buffers(store, size, tmp_path):
+    """Parts of two buffers + 3 bytes: part ends fall inside a buffer, and a blob ends mid-part."""
+    part = 2 * BUFFER_BYTES + 3
+    data = os.urandom(size)
+    repo, token, digest = put_blob(store, data)
+    received: list[int] = []
+    with Client(store.base_url, token, cache_dir=tmp_path, download_part_bytes=part) as client:
+        assert client.downloads.slots.buffer_bytes == BUFFER_BYTES < part
+        path = client.fetch_blob(repo, digest, size, progress=received.append)
+    assert path.read_bytes() == data and sum(received) == size
+    assert max(received) <= BUFFER_BYTES
+    assert cache_files(tmp_path) == only_the_blob(tmp_path, digest)
+
+
+def test_a_prefix_hashed_from_an_offset_inside_a_page(blob, tmp_path):
+    """The first part cut after 1001 bytes: the hash takes those, then goes on from inside a page (mapped from the
+    page's start) when the part resumes there."""
+    digest, data = blob
+    origin = Origin({digest: data})
+    origin.stop_at, origin.stops = 1001, 1
+    try:
+        assert fetch(origin, digest, len(data), tmp_path, download_connections=2).read_bytes() == data
+    finally:
+        origin.close()
+    assert f"bytes=1001-{P - 1}" in [r for _, r, _, _ in origin.log]  # resumed inside the first page
+
+
+@pytest.mark.parametrize("stop_at", [3 * P + 1000, 5])
+def test_a_body_short_of_its_length_mid_buffer_is_a_typed_error_and_nothing_is_renamed(blob, stop_at, tmp_path):
+    """A server that keeps closing inside one part, short of the length it promised: retried from where it stopped
+    while that makes progress, then Unavailable; the other parts' bytes are never renamed into the cache."""
+    digest, data = blob
+    origin = Origin({digest: data})
+    origin.stop_at = stop_at
+    try:
+        with pytest.raises(Unavailable, match="early"):
+            fetch(origin, digest, len(data), tmp_path, download_connections=3)
+    finally:
+        origin.close()
+    assert cache_files(tmp_path) == ["CACHEDIR.TAG"]
+    assert list((tmp_path / "tmp").iterdir()) == []
+    part = stop_at // P * P
+    retried = [r for _, r, _, _ in origin.log if r == f"bytes={stop_at}-{part + P - 1}"]
+    # The first attempt reached the cut (progress, so one failure); each resumes at the cut, never before it,
+    # until the failures without progress reach the attempts.
+    assert len(retried) == FAST.attempts - 1
+
+
+def test_a_cache_on_a_file_system_that_cannot_map_files_hashes_by_reading_back(blob, tmp_path, monkeypatch):
+    def cannot_map(*args, **kwargs):
+        raise OSError(errno.ENODEV, "no mmap on this file system")
+
+    monkeypatch.setattr(download_module.mmap, "mmap", cannot_map)
+    digest, data = blob
+    origin = Origin({digest: data})
+    try:
+        assert fetch(origin, digest, len(data), tmp_path, download_connections=3).read_bytes() == data
+        tampered = digest_of(data[:-1] + bytes([data[-1] ^ 1]))  # the digest of other bytes: refused
+        origin.blobs[tampered] = data
+        with pytest.raises(IntegrityError):
+            fetch(origin, tampered, len(data), tmp_path / "other", download_connections=3)
+    finally:
+        origin.close()

@@ -57,7 +57,15 @@ from cgstore_client.wire.discovery import DEFAULT_DISCOVER_LIMIT, Candidate
 from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
 from cgstore_client.worker import outcomes
 from cgstore_client.worker.cache import Cache, hash_file
-from cgstore_client.worker.download import DEFAULT_CONNECTIONS, DEFAULT_PART_BYTES, Plan, Progress, Slots, download
+from cgstore_client.worker.download import (
+    BUFFER_BYTES,
+    DEFAULT_CONNECTIONS,
+    DEFAULT_PART_BYTES,
+    Plan,
+    Progress,
+    Slots,
+    download,
+)
 from cgstore_client.worker.http import Retry, Transport, file_chunks, parse_answer, record_path, split_repo, store_path
 from cgstore_client.worker.outcomes import Eager, Loaded, Want
 
@@ -137,7 +145,9 @@ class Client:
         self.chunked_threshold = CHUNKED_THRESHOLD if chunked_threshold is None else chunked_threshold
         connections = _positive("CGSTORE_DOWNLOAD_CONNECTIONS", download_connections, DEFAULT_CONNECTIONS)
         part_bytes = _positive("CGSTORE_DOWNLOAD_PART_BYTES", download_part_bytes, DEFAULT_PART_BYTES)
-        self.downloads = Plan(Slots(connections), part_bytes, self.retry, self.cache, self.limits)
+        # A buffer larger than a part would never be filled by a part: memory for nothing.
+        slots = Slots(connections, min(BUFFER_BYTES, part_bytes))
+        self.downloads = Plan(slots, part_bytes, self.retry, self.cache, self.limits)
         self._transport: Transport | None = None
         self._jwks: dict | None = None
 
