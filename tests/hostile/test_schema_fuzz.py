@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyStrategyDefinition
 from schemathesis.checks import not_a_server_error
-from schemathesis.generation.value import GeneratedValue
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
@@ -129,9 +128,7 @@ def load_schema(store):
 
 
 def _with_valid_values(parameters):
-    # A value schemathesis drew from earlier answers (its dictionaries: claim ids, upload ids) comes
-    # wrapped with its provenance: kept as drawn (a plain dict is what this hook makes valid).
-    if not parameters or isinstance(parameters, GeneratedValue):  # or an operation without such parameters
+    if not parameters:  # an operation without such parameters
         return st.just(parameters)
     return st.fixed_dictionaries({name: VALID.get(name, st.just(value)) for name, value in parameters.items()})
 
