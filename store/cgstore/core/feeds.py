@@ -103,6 +103,7 @@ class HeadWatch:
     async def run(self) -> None:
         """The poll, for the life of the app: read the head every ``poll_s`` while anyone waits."""
         self._loop = asyncio.get_running_loop()
+        self._moved = asyncio.Event()  # bound to this loop (an app served again runs in a new one)
         try:
             while True:
                 if self._waiters:
