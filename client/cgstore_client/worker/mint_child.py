@@ -22,9 +22,9 @@ While it works a thread beats the claim every ``heartbeat_s``. Outcomes:
   has no one to serve its graph and holds the worker's device), nothing is
   released either: the claim lapses.
 
-The log (``<claim>.log`` beside the work directory) starts with the line
-``compiling claim …``: one per compile started, which is how a fleet's
-compiles are counted.
+The log (``mints/<claim>.log`` in the client cache, beside the work directory)
+starts with the line ``<unix time> compiling claim … (pid …)``: one per
+compile started, which is how a fleet's compiles are counted and timed.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ PARENT_CHECK_S = 1.0
 
 
 def _log(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+    """One line of the log: the Unix time (ms) first, so a fleet's mints can be timed from their logs."""
+    print(f"{time.time():.3f} {message}", flush=True)
 
 
 def _write_result(path: str, document: dict[str, Any]) -> None:
@@ -99,7 +100,7 @@ def _mint(client: Client, job: dict[str, Any]) -> dict[str, Any]:
 
 def run(job: dict[str, Any]) -> int:
     parent = int(job.get("parent") or os.getppid())
-    _log(f"compiling claim {job['claim']} of {job['family']} in {job['repo']}")
+    _log(f"compiling claim {job['claim']} of {job['family']} in {job['repo']} (pid {os.getpid()})")
     done = threading.Event()
     with Client(job["url"], cache_dir=job["cache_dir"]) as client:
         threading.Thread(target=_beat, args=(client, job, parent, done), name="cgstore-beat", daemon=True).start()
