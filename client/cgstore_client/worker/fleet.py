@@ -441,10 +441,8 @@ def export_program(declared: Declared, dynamic_shapes: Any, path: Path) -> str:
 
 def _spawn(client: Any, job: dict[str, Any], log_path: Path) -> subprocess.Popen:
     """``python -m cgstore_client.worker.mint_child`` with the token in its environment, its output in ``log_path``."""
-    import cgstore_client
-
     env = dict(os.environ)
-    package_root = str(Path(cgstore_client.__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[2])  # where cgstore_client is importable from
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     if client.token:
         env["CGSTORE_TOKEN"] = client.token
