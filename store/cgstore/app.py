@@ -18,6 +18,7 @@ from cgstore.audit.denials import DenialLog, audit_denial
 from cgstore.audit.router import router as audit_router
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.router import router as blobs_router
+from cgstore.compiled_graphs import events
 from cgstore.compiled_graphs.router import repo_router as compiled_graphs_router
 from cgstore.compiled_graphs.router import resolve_router as compiled_graphs_resolve_router
 from cgstore.console.router import ConsoleHeaders, error_page
@@ -25,6 +26,7 @@ from cgstore.console.router import router as console_router
 from cgstore.context import StoreContext
 from cgstore.core.cursors import CursorSeal
 from cgstore.core.db import Database
+from cgstore.core.feeds import HeadWatch
 from cgstore.core.http import ERROR_RESPONSES, install_error_handlers, install_request_schemas
 from cgstore.core.inputs import refuse_unstorable_parameters
 from cgstore.core.metrics import Metrics, MetricsMiddleware
@@ -56,6 +58,9 @@ def build_context(settings: Settings) -> StoreContext:
         metrics=Metrics(settings.metrics_family_labels),
         denials=DenialLog(db, settings.audit_interval_s, settings.audit_max_sources),
         cursors=CursorSeal(tokens.ring.derive("listing-cursors")),
+        feed=HeadWatch(
+            lambda: events.head_of(db), poll_s=settings.events_poll_s, max_waiters=settings.events_max_waiters
+        ),
     )
     ctx.metrics.watch_upload_sessions(lambda: _open_sessions_or_nan(ctx))
     return ctx
@@ -153,7 +158,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The pool every database and storage call runs in (per event loop).
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
-        tasks = [*_background_tasks(ctx), asyncio.create_task(ctx.denials.flush_forever())]
+        tasks = [
+            *_background_tasks(ctx),
+            asyncio.create_task(ctx.denials.flush_forever()),
+            asyncio.create_task(ctx.feed.run()),
+        ]
         freeze_startup_heap()
         try:
             yield

@@ -16,6 +16,7 @@ from fastapi import Request
 from cgstore.audit.denials import DenialLog
 from cgstore.core.cursors import CursorSeal
 from cgstore.core.db import Database
+from cgstore.core.feeds import HeadWatch
 from cgstore.core.metrics import Metrics
 from cgstore.settings import Settings
 from cgstore.storage import Storage
@@ -32,6 +33,8 @@ class StoreContext:
     denials: DenialLog
     #: Seals and opens the listings' opaque cursors (``core.cursors``).
     cursors: CursorSeal
+    #: Wakes this process's long-polls of the record events feed (``core.feeds``, ``compiled_graphs.events``).
+    feed: HeadWatch
     #: Names this store process among replicas (the holder of its leases).
     instance: str = field(default_factory=lambda: instance_id())
 

@@ -171,6 +171,34 @@ class Settings(BaseSettings):
         "computed at most once per this many seconds per process and shown with their time (older figures are "
         "shown while the next are computed in the background); 0: on every view",
     )
+    events_max_waiters: int = Field(
+        500,
+        ge=1,
+        description="long-polls of `GET /v1/compiled-graphs:events` waiting at once per process (they hold no "
+        "thread and no database connection while waiting, but each holds a connection of "
+        "`CGSTORE_MAX_CONNECTIONS`); beyond, 503 `UNAVAILABLE` with `Retry-After`",
+    )
+    events_max_wait_s: int = Field(
+        30,
+        ge=0,
+        le=30,
+        description="the longest one long-poll of the events feed waits, whatever its `wait` asks (≤ 30, the "
+        "protocol's bound)",
+    )
+    events_poll_s: float = Field(
+        0.25,
+        gt=0,
+        le=1.0,
+        description="while a long-poll waits, how often each process reads the feed's head to notice other "
+        "replicas' publishes and yanks (one indexed read per process, however many wait); its own are noticed "
+        "at once",
+    )
+    events_retention_s: int = Field(
+        7 * 24 * 3600,
+        ge=3600,
+        description="events older than this are trimmed by the GC task (the newest is always kept); a cursor "
+        "older than what is kept is answered 400 `BAD_REQUEST` (`detail.expired`): start again at `since=now`",
+    )
     log_level: str = Field("info", description="log level")
 
     @field_validator("public_url")

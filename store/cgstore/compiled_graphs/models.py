@@ -177,3 +177,49 @@ class CompiledGraphComponent(Base):
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     digest: Mapped[str] = mapped_column(String(71), ForeignKey("blobs.digest"), nullable=False, index=True)
     size: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class CompiledGraphEvent(Base):
+    """One entry of the record events feed (``compiled_graphs/events.py``): a record published or yanked.
+
+    Append-only, written in the transaction of the publish or the yank it tells
+    of, so a committed record and its event are one fact. Ids are gapless and
+    in commit order (each is the previous head plus one, taken under a lock held
+    until commit), so a reader's position is a plain id and a position below
+    the oldest kept entry means entries were trimmed past it. No foreign key to
+    the record: GC may forget a long-yanked record while its events are kept.
+
+    Columns:
+      id                 the position in the feed: gapless, commit order.
+      at                 when the publish or yank wrote it, just before its commit (the store's clock).
+      kind               ``published`` or ``yanked``.
+      repo_id            the record's repo (events go with a deleted repo).
+      publisher          the record's publisher: in a private cache only it reads the event.
+      family             the record's family (the feed's filter).
+      key                the record's ck1 key.
+      discovery_digest   a publish's discovery digest (NULL on a yank).
+      binding_signature  a publish's binding signature (NULL on a yank).
+      release            a publish's release label (NULL on a yank).
+      reason             a yank's reason (NULL on a publish).
+    """
+
+    __tablename__ = "record_events"
+    __table_args__ = (
+        # A reader's events: the searched repos' (and, in a private cache, the reader's own) after its position.
+        Index("ix_record_events_repo", "repo_id", "id"),
+        Index("ix_record_events_reader", "repo_id", "publisher", "id"),
+        # Trimming by age.
+        Index("ix_record_events_at", "at"),
+    )
+
+    id: Mapped[int] = mapped_column(_RECORD_ID, primary_key=True, autoincrement=False)
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime, nullable=False)
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)
+    repo_id: Mapped[int] = mapped_column(Integer, ForeignKey("repos.id", ondelete="CASCADE"), nullable=False)
+    publisher: Mapped[str] = mapped_column(String(200), nullable=False)
+    family: Mapped[str] = mapped_column(String(100), nullable=False)
+    key: Mapped[str] = mapped_column(String(96), nullable=False)
+    discovery_digest: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    binding_signature: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    release: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    reason: Mapped[str | None] = mapped_column(String(1000), nullable=True)

@@ -25,7 +25,7 @@ from cgstore import access
 from cgstore.audit.denials import audit_refusal
 from cgstore.audit.service import record as audit
 from cgstore.blobs.service import held_blobs, hold_blobs
-from cgstore.compiled_graphs import admission, receipts
+from cgstore.compiled_graphs import admission, events, receipts
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
 from cgstore.core.db import utcnow
@@ -241,6 +241,7 @@ def _try_insert(
                 repo=repo_name,
                 detail={"result": "created", "artifact": row.artifact_digest, "component_set": row.component_set},
             )
+            events.published(session, ctx.feed, target, row)  # the feed's lock: last, after the audit's
             crash_point("publish.inserted")  # everything written, nothing committed
             return Published(_publish_answer(target, row, "created"), created=True)
         live = _live_record(session, target.id, row.key, row.scope)

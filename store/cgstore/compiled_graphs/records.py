@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from cgstore import access
 from cgstore.audit.service import record as audit
+from cgstore.compiled_graphs import events
 from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
 from cgstore.compiled_graphs.publishing import live_query
 from cgstore.context import StoreContext
@@ -272,6 +273,7 @@ def yank(
             repo=f"{owner}/{repo}",
             detail={"reason": reason, "artifact": live.artifact_digest, "publisher": live.publisher},
         )
+        events.yanked(session, ctx.feed, target, live, reason)  # the feed's lock: last, after the audit's
         components = components_of(session, [live.id])
     return to_record(target, live, components.get(live.id, []))
 

@@ -12,7 +12,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
-from cgstore.compiled_graphs import publishing, records, reports, search
+from cgstore.compiled_graphs import events, publishing, records, reports, search
 from cgstore.context import StoreContext, get_context
 from cgstore.core.cursors import CURSOR_LEN
 from cgstore.core.http import QueryInt, error_doc, json_body, read_json
@@ -20,6 +20,7 @@ from cgstore.core.urls import public_location
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 from cgstore_client.wire.discovery import DiscoverAnswer, DiscoverRequest, DriftReport
+from cgstore_client.wire.fleet import MAX_EVENTS_WAIT_S, EventsAnswer
 from cgstore_client.wire.records import (
     DEFAULT_LIST_LIMIT,
     MAX_LIST_LIMIT,
@@ -185,3 +186,22 @@ async def discover(
     query = await read_json(request, DiscoverRequest, ctx.settings.max_json_bytes)
     urls_for = _url_builder(ctx)
     return Response(await run_in_threadpool(search.discover, ctx, claims, query, urls_for), media_type=_JSON)
+
+
+@resolve_router.get(
+    "/compiled-graphs:events",
+    response_model=EventsAnswer,
+    responses={
+        400: error_doc("a cursor not sealed for this reader, forged, or older than the feed keeps (BAD_REQUEST)"),
+        503: error_doc("too many long-polls waiting on this process, or a dependency down (UNAVAILABLE)"),
+    },
+)
+async def record_events(
+    family: str | None = Query(None, max_length=100),
+    since: str | None = Query(None, max_length=CURSOR_LEN),
+    wait: Annotated[QueryInt, Query(ge=0, le=MAX_EVENTS_WAIT_S)] = 0,
+    claims: Claims = Depends(require_claims),
+    ctx: StoreContext = Depends(get_context),
+) -> Response:
+    """Records published and yanked that the token may read, in commit order; long-polls up to `wait` seconds."""
+    return _json(await events.follow(ctx, claims, family=family, since=since, wait_s=wait))

@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session
 
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.models import Blob, RepoBlob
-from cgstore.compiled_graphs import retention
+from cgstore.compiled_graphs import events, retention
 from cgstore.context import StoreContext
 from cgstore.core.db import utcnow
 from cgstore.core.faults import crash_point
@@ -233,6 +233,10 @@ def _heartbeat(lease: HeldLease | None) -> Callable[[], None]:
 def collect_garbage(ctx: StoreContext, lease: HeldLease) -> int:
     """The periodic GC round (``operations.service.run_periodically``): returns blobs deleted."""
     report = collect(ctx, lease=lease)
+    # The events feed's retention rides the same round (one replica at a time, under the GC lease).
+    trimmed = events.trim(ctx)
+    if trimmed:
+        log.info("gc: trimmed %d record events older than %d s", trimmed, ctx.settings.events_retention_s)
     ctx.metrics.gc_blobs_deleted.inc(len(report.blobs))
     ctx.metrics.gc_bytes_deleted.inc(report.bytes)
     if report.blobs or report.sessions_reaped or report.staged:
