@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -85,6 +86,27 @@ UNCONFIRMED = "unconfirmed"
 SERVED_FROM_CACHE = "served from the local cache"
 #: At most this many differing tensors are named in a miss reason.
 NAMED_DIFFERENCES = 4
+
+
+_MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+_SHARED_LOCK = threading.RLock()  # for a model that cannot be weakly referenced
+
+
+def model_lock(model: Any) -> threading.RLock:
+    """The lock held by every export of ``model`` and every eager call of it through a handle.
+
+    A non-strict ``torch.export`` swaps fake tensors into the module's parameters
+    for the trace: an eager call of the same module meanwhile, on another
+    thread, runs on fake tensors and fails (or kills the process). Exports here
+    run beside serving (background confirmation, a mint's export after a
+    takeover), so eager calls wait for them instead.
+    """
+    with _MODEL_LOCKS_GUARD:
+        try:
+            return _MODEL_LOCKS.setdefault(model, threading.RLock())
+        except TypeError:
+            return _SHARED_LOCK
 
 
 class Booted:
@@ -144,7 +166,8 @@ class Booted:
             return target(*args, **kwargs)
         if self.mandatory:  # never the eager model (e.g. after a yank): the caller retries later
             raise CompiledRequired({self._name(): self.reason or outcomes.MISS})
-        return self.model(*args, **kwargs)
+        with model_lock(self.model):  # not while an export has fake tensors in the module
+            return self.model(*args, **kwargs)
 
     def wait_confirmed(self, timeout: float | None = None) -> str:
         """Block until confirmation is no longer pending (or ``timeout`` seconds); returns it."""
@@ -620,7 +643,8 @@ def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str
         return {axis: dims[d] for axis, d in enumerate(shape) if isinstance(d, str) and d in dims} or None
 
     args = tuple(example_inputs)
-    program = torch.export.export(model, args, dynamic_shapes=pytree.tree_map_with_path(dynamic, args))
+    with model_lock(model):
+        program = torch.export.export(model, args, dynamic_shapes=pytree.tree_map_with_path(dynamic, args))
     return graph_digest_from_program(program)
 
 

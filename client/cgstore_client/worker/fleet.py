@@ -434,7 +434,8 @@ def export_program(declared: Declared, dynamic_shapes: Any, path: Path) -> str:
 
     from cgstore_client.archive import graph_digest_from_program
 
-    program = torch.export.export(declared.model, tuple(declared.example_inputs), dynamic_shapes=dynamic_shapes)
+    with discovery.model_lock(declared.model):  # eager calls of the model wait: the export fakes its tensors
+        program = torch.export.export(declared.model, tuple(declared.example_inputs), dynamic_shapes=dynamic_shapes)
     torch.export.save(program, str(path))
     return graph_digest_from_program(program)
 
