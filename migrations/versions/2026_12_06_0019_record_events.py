@@ -25,7 +25,7 @@ from alembic import op
 from cgstore.core.db import UTCDateTime
 
 revision = "0019_record_events"
-down_revision = "0017_search_visible_rows"
+down_revision = "0018_claims"
 branch_labels = None
 depends_on = None
 

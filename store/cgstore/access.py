@@ -41,6 +41,19 @@ Writing (blob uploads, mounts, publishes; the preflight asks the same question)
     ``min_ttl_s`` (else 403 ``DENIED``): a mint child learns it would fail
     before it spends minutes compiling.
 
+Claiming a mint (``POST /v1/repos/{o}/{r}/compiled-graphs:claim``, its heartbeat and release)
+  - Exactly the publish gates: the write rule above (root: the three locks,
+    403 ``ROOT_RESERVED``; elsewhere 403 ``DENIED``), with the preflight's
+    token lifetime, here the claim's TTL (a token that lapses before its first
+    claim would lapse cannot hold one). A claim is a promise to publish there:
+    a caller that could not publish must not make the fleet wait for it.
+  - Beating or releasing a claim: only the principal holding it. Anyone
+    else's beat or release is answered as for an unknown claim (404
+    ``NAME_UNKNOWN``), audited as the denial it is.
+  - In a private cache, claims follow record visibility: each principal's
+    claims are its own (another's neither shows nor blocks).
+  - Clearing a ``failing`` declaration: a store admin (the console, ``cgstore claims clear`` on the host).
+
 Managing a repo (``PUT /v1/repos/{o}/{r}`` creates it or changes its visibility)
   - Reserved owners: the root gate. Elsewhere an ``admin`` grant matching the
     repo, or the holder of the owner with a ``write`` grant matching the repo.
@@ -114,6 +127,7 @@ Scraping metrics (``GET /metrics``)
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -231,6 +245,16 @@ def preflight(claims: Claims, write: Decision, *, now: int, min_ttl_s: int) -> D
             )
         )
     return ALLOWED
+
+
+def can_claim(claims: Claims, write: Decision, *, now: int, ttl_s: float) -> Decision:
+    """A mint claim: the publish gates (``write``, from ``can_write``) and the token valid for the claim's TTL."""
+    return preflight(claims, write, now=now, min_ttl_s=math.ceil(ttl_s))
+
+
+def holds_claim(claims: Claims, holder: str | None) -> bool:
+    """Whether ``claims`` may beat or release a claim held by ``holder`` (its principal only)."""
+    return holder is not None and hmac.compare_digest(holder.encode(), claims.sub.encode())
 
 
 def _named_literally(claims: Claims, owner: str, repo: str, action: str) -> bool:

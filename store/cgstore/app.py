@@ -18,6 +18,8 @@ from cgstore.audit.denials import DenialLog, audit_denial
 from cgstore.audit.router import router as audit_router
 from cgstore.blobs import service as blobs_service
 from cgstore.blobs.router import router as blobs_router
+from cgstore.claims import service as claims_service
+from cgstore.claims.router import router as claims_router
 from cgstore.compiled_graphs import events
 from cgstore.compiled_graphs.router import repo_router as compiled_graphs_router
 from cgstore.compiled_graphs.router import resolve_router as compiled_graphs_resolve_router
@@ -63,6 +65,7 @@ def build_context(settings: Settings) -> StoreContext:
         ),
     )
     ctx.metrics.watch_upload_sessions(lambda: _open_sessions_or_nan(ctx))
+    ctx.metrics.watch_claims(lambda: _claims_in_flight_or_nan(ctx))
     return ctx
 
 
@@ -70,6 +73,13 @@ def _open_sessions_or_nan(ctx: StoreContext) -> float:
     try:
         return float(blobs_service.open_session_count(ctx))
     except Exception:  # a scrape during a database outage reports "unknown", not an error
+        return float("nan")
+
+
+def _claims_in_flight_or_nan(ctx: StoreContext) -> float:
+    try:
+        return float(claims_service.count_in_flight(ctx.db))
+    except Exception:  # as for upload sessions: "unknown" during a database outage
         return float("nan")
 
 
@@ -203,6 +213,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         repos_router,
         blobs_router,
         audit_router,
+        claims_router,
         compiled_graphs_router,
         compiled_graphs_resolve_router,
         admin_router,

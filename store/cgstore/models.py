@@ -2,6 +2,7 @@
 
 from cgstore.audit.models import AuditEvent
 from cgstore.blobs.models import Blob, RepoBlob, RepoBlobHolder, UploadSession
+from cgstore.claims.models import DeclarationClaim
 from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
 from cgstore.core.db import Base
 from cgstore.operations.models import Lease, ScrubCursor
@@ -15,6 +16,7 @@ __all__ = [
     "Blob",
     "CompiledGraph",
     "CompiledGraphComponent",
+    "DeclarationClaim",
     "Lease",
     "Owner",
     "Principal",

@@ -93,6 +93,20 @@ class Settings(BaseSettings):
         gt=0,
         description="lifetime of a background task's lease (reaper, GC, scrub); a crashed holder's lapses after this",
     )
+    claim_ttl_s: float = Field(
+        90.0,
+        gt=0,
+        le=3600,
+        description="lifetime of a mint claim (`…/compiled-graphs:claim`) unless its holder beats it (every third "
+        "of this); a claim not beaten in time expires and the next claimer takes the mint over",
+    )
+    claim_backoff_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="after a mint released `failed`, the next grant of the declaration waits this × 2^(failures−1) "
+        "seconds (at most an hour); 5 failures or expiries in a row make it `failing` until cleared",
+    )
     s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="multipart part size for S3 writes (≥ 5 MiB)")
     s3_max_concurrency: int = Field(
         4,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, RootModel
 
 from cgstore_client.wire.discovery import Candidate, Declaration
 from cgstore_client.wire.records import MAX_REASON_CHARS, WireModel
@@ -105,6 +105,10 @@ class ReleaseFailed(WireModel):
 
 #: The body of ``…/claims/{claim}:release``.
 ClaimRelease = Annotated[ReleasePublished | ReleaseFailed, Field(discriminator="outcome")]
+
+
+class ClaimReleaseBody(RootModel[ClaimRelease]):
+    """``ClaimRelease`` as one model: what the store's bounded JSON reader parses (``.root`` is the release)."""
 
 
 class ClaimReleased(WireModel):

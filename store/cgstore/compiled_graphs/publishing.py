@@ -25,6 +25,7 @@ from cgstore import access
 from cgstore.audit.denials import audit_refusal
 from cgstore.audit.service import record as audit
 from cgstore.blobs.service import held_blobs, hold_blobs
+from cgstore.claims import service as claims_service
 from cgstore.compiled_graphs import admission, events, receipts
 from cgstore.compiled_graphs.models import HEALTH_OK, CompiledGraph, CompiledGraphComponent
 from cgstore.context import StoreContext
@@ -232,6 +233,8 @@ def _try_insert(
                 CompiledGraphComponent(record_id=record_id, name=c.name, digest=c.digest, size=c.size)
                 for c in manifest.components
             )
+            # The publisher's own claim on this declaration ends with the record (same transaction).
+            claims_service.release_by_publish(ctx, session, claims, repo_name, row)
             audit(
                 session,
                 actor=claims.sub,

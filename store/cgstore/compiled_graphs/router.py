@@ -16,7 +16,6 @@ from cgstore.compiled_graphs import events, publishing, records, reports, search
 from cgstore.context import StoreContext, get_context
 from cgstore.core.cursors import CURSOR_LEN
 from cgstore.core.http import QueryInt, error_doc, json_body, read_json
-from cgstore.core.urls import public_location
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 from cgstore_client.wire.discovery import DiscoverAnswer, DiscoverRequest, DriftReport
@@ -150,25 +149,8 @@ async def resolve(
 ) -> Response:
     """Look up ck1 keys of a family: the best readable live record of each, or a miss."""
     query = await read_json(request, ResolveRequest, ctx.settings.max_json_bytes)
-    urls_for = _url_builder(ctx)
+    urls_for = search.download_urls(ctx)
     return Response(await run_in_threadpool(search.resolve, ctx, claims, query, urls_for), media_type=_JSON)
-
-
-def _url_builder(ctx: StoreContext) -> search.UrlsFor:
-    """Presigned storage URLs when the backend redirects downloads, else the store's own blob URL (under
-    ``CGSTORE_PUBLIC_URL``, or a path relative to the store: never built from the request's ``Host``)."""
-    if ctx.settings.redirect_downloads and ctx.storage.supports_presign:
-        ttl = ctx.settings.presign_ttl_s
-
-        def presigned(refs: list[search.BlobRef]) -> dict[search.BlobRef, str]:
-            by_digest = ctx.storage.presigned_urls([digest for _, _, digest in refs], ttl)
-            return {ref: by_digest[ref[2]] for ref in refs}
-
-        return presigned
-    public_url = ctx.settings.public_url
-    return lambda refs: {
-        ref: public_location(public_url, f"/v1/repos/{ref[0]}/{ref[1]}/blobs/{ref[2]}") for ref in refs
-    }
 
 
 @resolve_router.post(
@@ -184,7 +166,7 @@ async def discover(
 ) -> Response:
     """Find live records by declaration (family, envelope, sm, toolchain), without a ck1 key: best first."""
     query = await read_json(request, DiscoverRequest, ctx.settings.max_json_bytes)
-    urls_for = _url_builder(ctx)
+    urls_for = search.download_urls(ctx)
     return Response(await run_in_threadpool(search.discover, ctx, claims, query, urls_for), media_type=_JSON)
 
 

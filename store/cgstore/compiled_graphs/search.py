@@ -28,10 +28,11 @@ from cgstore.core.errors import (
     KeyInvalid,
     MetadataInvalid,
 )
+from cgstore.core.urls import public_location
 from cgstore.tokens.claims import Claims
 from cgstore_client.binding import is_binding_signature
 from cgstore_client.keys import is_key
-from cgstore_client.wire.discovery import DiscoverRequest, MissExplanation
+from cgstore_client.wire.discovery import DEFAULT_DISCOVER_LIMIT, Declaration, DiscoverRequest, MissExplanation
 from cgstore_client.wire.records import (
     ResolveRequest,
 )
@@ -42,6 +43,23 @@ BlobRef = tuple[str, str, str]
 
 #: Download URLs for many blobs at once (presigning is batched): ``[ref, ...] -> {ref: url}``.
 UrlsFor = Callable[[list[BlobRef]], dict[BlobRef, str]]
+
+
+def download_urls(ctx: StoreContext) -> UrlsFor:
+    """Presigned storage URLs when the backend redirects downloads, else the store's own blob URL (under
+    ``CGSTORE_PUBLIC_URL``, or a path relative to the store: never built from the request's ``Host``)."""
+    if ctx.settings.redirect_downloads and ctx.storage.supports_presign:
+        ttl = ctx.settings.presign_ttl_s
+
+        def presigned(refs: list[BlobRef]) -> dict[BlobRef, str]:
+            by_digest = ctx.storage.presigned_urls([digest for _, _, digest in refs], ttl)
+            return {ref: by_digest[ref[2]] for ref in refs}
+
+        return presigned
+    public_url = ctx.settings.public_url
+    return lambda refs: {
+        ref: public_location(public_url, f"/v1/repos/{ref[0]}/{ref[1]}/blobs/{ref[2]}") for ref in refs
+    }
 
 
 _RESOLVE_COLUMNS = (
@@ -275,13 +293,41 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     through ``ix_compiled_graphs_discover``, the chosen ones' components); an
     answer with nothing readable is the same bytes as one with nothing at all.
     """
-    derived, digest = _declared(request)
+    derived, digest = check_declaration(request)
+    found, miss = _candidates(
+        ctx, claims, request, digest, urls_for, request.limit, derived if request.explain else None
+    )
+    answer: dict[str, Any] = {"candidates": found}  # built in ``DiscoverAnswer``'s field order, as resolve's is
+    if miss is not None:
+        answer["miss"] = miss.model_dump(mode="json")
+    return to_json(answer)
+
+
+def candidates(
+    ctx: StoreContext, claims: Claims, request: Declaration, urls_for: UrlsFor, limit: int = DEFAULT_DISCOVER_LIMIT
+) -> list[dict]:
+    """What discover would answer ``claims`` for ``request`` (a claim's declaration): its candidates as plain
+    data in ``Candidate``'s field order, best first, at most ``limit``; the same search, one implementation."""
+    _, digest = check_declaration(request)
+    return _candidates(ctx, claims, request, digest, urls_for, limit, None)[0]
+
+
+def _candidates(
+    ctx: StoreContext,
+    claims: Claims,
+    request: Declaration,
+    digest: str,
+    urls_for: UrlsFor,
+    limit: int,
+    explain_with: admission.Derived | None,
+) -> tuple[list[dict], MissExplanation | None]:
+    """The matching candidates; on none, with ``explain_with`` (the declaration's derived axes), why."""
     with ctx.db.session() as session:
-        searched, chosen = _discovered(session, claims, request, digest)
+        searched, chosen = _discovered(session, claims, request, digest, limit)
         components = _component_rows(session, [row.id for row in chosen])
         miss = (
-            explain.explain_miss(session, claims, request, derived, searched)
-            if request.explain and not chosen
+            explain.explain_miss(session, claims, request, explain_with, searched)
+            if explain_with is not None and not chosen
             else None
         )
     repos = {repo.id: repo for repo in searched}
@@ -294,14 +340,15 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
         }
         for row in chosen
     ]
-    answer: dict[str, Any] = {"candidates": found}  # built in ``DiscoverAnswer``'s field order, as resolve's is
-    if miss is not None:
-        answer["miss"] = miss.model_dump(mode="json")
-    return to_json(answer)
+    return found, miss
 
 
-def _declared(request: DiscoverRequest) -> tuple[admission.Derived, str]:
-    """The declaration checked as admission checks a manifest's: its canonical axes and discovery digest."""
+def check_declaration(request: Declaration) -> tuple[admission.Derived, str]:
+    """The declaration checked as admission checks a manifest's: its canonical axes and discovery digest.
+
+    Raises what discover answers a bad declaration with (``NAME_INVALID``,
+    ``ENVELOPE_INVALID``, ``METADATA_INVALID``); a claim checks its body here too.
+    """
     admission.check_family(request.family)
     derived = admission.derive_axes(request.envelope, request.sm, request.toolchain)
     admission.check_release(request.release)
@@ -314,7 +361,7 @@ def _declared(request: DiscoverRequest) -> tuple[admission.Derived, str]:
     return derived, admission.discovery_of(request.family, request.sm, derived)
 
 
-def _discovered(session: Session, claims: Claims, request: DiscoverRequest, digest: str) -> tuple[list, list]:
+def _discovered(session: Session, claims: Claims, request: Declaration, digest: str, limit: int) -> tuple[list, list]:
     """The repos this caller searches, and the best readable matching records in them (discover's rows)."""
     searched = _search_plan(session, claims)
     if not searched:
@@ -322,7 +369,7 @@ def _discovered(session: Session, claims: Claims, request: DiscoverRequest, dige
     columns = (*_RESOLVE_COLUMNS, CompiledGraph.binding_signature, CompiledGraph.release)
     chosen = (
         session.connection()
-        .execute(_best_per_key(session, searched, _discover_match(request, digest), columns, limit=request.limit))
+        .execute(_best_per_key(session, searched, _discover_match(request, digest), columns, limit=limit))
         .all()
     )
     return searched, chosen
@@ -340,16 +387,16 @@ class Explained:
 def explain_declaration(ctx: StoreContext, claims: Claims, request: DiscoverRequest) -> Explained:
     """Discover's answer to ``request`` for ``claims``, explained on a miss (the console's Explain page):
     the same checks, search plan, match and explanation as ``discover``, one implementation."""
-    derived, digest = _declared(request)
+    derived, digest = check_declaration(request)
     with ctx.db.session() as session:
-        searched, chosen = _discovered(session, claims, request, digest)
+        searched, chosen = _discovered(session, claims, request, digest, request.limit)
         miss = None if chosen else explain.explain_miss(session, claims, request, derived, searched)
     repos = {repo.id: repo for repo in searched}
     matches = [(f"{repos[row.repo_id].owner}/{repos[row.repo_id].name}", row.key) for row in chosen]
     return Explained(matches=matches, miss=miss)
 
 
-def _discover_match(request: DiscoverRequest, digest: str) -> tuple:
+def _discover_match(request: Declaration, digest: str) -> tuple:
     """What a record must have to match ``request`` (its discovery ``digest``, then the optional filters)."""
     match = [CompiledGraph.discovery_digest == digest]
     if request.release is not None:

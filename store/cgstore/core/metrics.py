@@ -1,5 +1,5 @@
 """Prometheus metrics: requests, bytes, upload sessions, publish outcomes, resolve hits and misses,
-background tasks and GC.
+mint claims, background tasks and GC.
 
 Collected by a pure ASGI middleware (it never buffers a streamed body) into a
 registry owned by the app, so several apps in one process don't collide.
@@ -76,6 +76,18 @@ class Metrics:
             ["family", "status"],
             registry=self.registry,
         )
+        self.claims = Counter(
+            "cgstore_claims_total",
+            "Mint claims by outcome: the answers (granted, held, published, backoff, failing), claims that expired "
+            "(taken over), and releases (released_published, released_failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.claims_in_flight = Gauge(
+            "cgstore_claims_in_flight",
+            "Mint claims held and not expired (read from the database at scrape time).",
+            registry=self.registry,
+        )
 
     def count_resolve(self, family: str, hits: int, misses: int) -> None:
         """Hits and misses of one resolve, labelled by family only if the family is allow-listed."""
@@ -88,6 +100,10 @@ class Metrics:
     def watch_upload_sessions(self, count: Callable[[], int]) -> None:
         """Read the open-session count from the database at scrape time (any process may change it)."""
         self.upload_sessions_open.set_function(count)
+
+    def watch_claims(self, count: Callable[[], float]) -> None:
+        """Read the claims in flight from the database at scrape time (every replica reports the same)."""
+        self.claims_in_flight.set_function(count)
 
 
 class MetricsMiddleware:
