@@ -9,9 +9,14 @@ with its wire type.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+
 from pydantic import TypeAdapter, ValidationError
 
-from cgstore_client.errors import Refused
+from cgstore_client.errors import CgstoreError, Refused
 from cgstore_client.wire.discovery import Declaration
 from cgstore_client.wire.fleet import (
     ClaimAnswer,
@@ -25,6 +30,7 @@ from cgstore_client.wire.records import MAX_REASON_CHARS
 from cgstore_client.worker.http import Transport, parse_answer, split_repo, store_path
 
 _ANSWER = TypeAdapter(ClaimAnswer)
+log = logging.getLogger(__name__)
 
 
 def claim_request(declaration: Declaration) -> ClaimRequest:
@@ -76,3 +82,23 @@ def first_line(text: str) -> str:
     """The first non-blank line of an error, bounded to what the wire carries."""
     line = next((line.strip() for line in str(text).splitlines() if line.strip()), "") or "unknown error"
     return line[:MAX_REASON_CHARS]
+
+
+@contextlib.contextmanager
+def beating(transport: Transport, repo: str, claim_id: str, every_s: float) -> Iterator[None]:
+    """Beat ``claim_id`` every ``every_s`` while the block runs (a worker's export, before its child beats)."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            try:
+                heartbeat(transport, repo, claim_id)
+            except CgstoreError as err:  # retried at the next beat; a lost claim costs a duplicate mint, no more
+                log.info("cgstore: heartbeat of claim %s: %s", claim_id, err)
+
+    thread = threading.Thread(target=beat, name="cgstore-beat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()

@@ -369,7 +369,10 @@ class Follower:
         work = self._client.cache.root / "mints" / _SAFE_NAME.sub("_", granted.claim)
         try:
             work.mkdir(mode=0o700, parents=True, exist_ok=False)
-            graph = export_program(self.declared, self._dynamic_shapes, work / "program.pt2")
+            # The claim is beaten from the grant on: an export can outlast a short TTL before the child beats.
+            with claims.beating(self._client.transport, self.repo, granted.claim, granted.heartbeat_s):
+                graph = export_program(self.declared, self._dynamic_shapes, work / "program.pt2")
+            claims.heartbeat(self._client.transport, self.repo, granted.claim)  # a fresh TTL for the child's start
         except Exception as err:
             reason = claims.first_line(f"the live model did not export: {type(err).__name__}: {err}")
             booted.reason = f"mint failed: {reason}"

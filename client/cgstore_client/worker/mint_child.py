@@ -61,19 +61,20 @@ def _write_result(path: str, document: dict[str, Any]) -> None:
 
 def _beat(client: Client, job: dict[str, Any], parent: int, done: threading.Event) -> None:
     """Beat the claim every ``heartbeat_s``; leave at once (no release) when the worker is gone."""
-    next_beat = time.monotonic() + job["heartbeat_s"]
-    while not done.wait(PARENT_CHECK_S):
+    next_beat = time.monotonic()  # at once: the worker's last beat was before this interpreter started
+    while True:
         if os.getppid() != parent:
             _log("the worker is gone: stopping without releasing (the claim lapses)")
             os._exit(UNREACHABLE)
-        if time.monotonic() < next_beat:
-            continue
-        next_beat = time.monotonic() + job["heartbeat_s"]
-        try:
-            answer = claims.heartbeat(client.transport, job["repo"], job["claim"])
-            _log(f"beat: expires {answer.expires_at.isoformat()}")
-        except CgstoreError as err:  # a missed beat is retried next time; a lost claim only costs a duplicate mint
-            _log(f"heartbeat failed: {err}")
+        if time.monotonic() >= next_beat:
+            next_beat = time.monotonic() + job["heartbeat_s"]
+            try:
+                answer = claims.heartbeat(client.transport, job["repo"], job["claim"])
+                _log(f"beat: expires {answer.expires_at.isoformat()}")
+            except CgstoreError as err:  # retried next time; a lost claim only costs a duplicate mint
+                _log(f"heartbeat failed: {err}")
+        if done.wait(PARENT_CHECK_S):
+            return
 
 
 def _mint(client: Client, job: dict[str, Any]) -> dict[str, Any]:
