@@ -206,6 +206,8 @@ class Follower:
         self._child: subprocess.Popen | None = None
         #: Set by the child's reaper: (published, why not) once the mint child has exited.
         self._outcome: tuple[bool, str | None] | None = None
+        #: How this worker's last mint ended, while the fleet goes on without it (kept in the reasons that follow).
+        self._failed_here: str | None = None
         self._failures = 0
 
     # events (the watcher's thread) -------------------------------------------------------------
@@ -295,7 +297,9 @@ class Follower:
             if published and self._upgrade(booted):
                 return None
             if why is not None:
-                booted.reason = why  # then claim again: backoff after a failure, takeover after a crash
+                booted.reason = self._failed_here = (
+                    why  # then claim again: backoff after a failure, takeover after a crash
+                )
         if not self.claiming:
             self._upgrade(booted)
             return None
@@ -335,11 +339,13 @@ class Follower:
     def _on_answer(self, booted: Booted, answer: ClaimAnswer) -> float | None:
         if answer.state == "granted":
             self.retry_after = _seconds_until(answer.expires_at)
+            self._failed_here = None
             self._mint(booted, answer)
             return None
         if answer.state == "held":
             wait = _seconds_until(answer.expires_at) + HELD_SLACK_S
-            booted.reason = f"waiting for a mint (claim {answer.claim}, expires {_at(answer.expires_at)})"
+            here = f"; {self._failed_here}" if self._failed_here else ""
+            booted.reason = f"waiting for a mint (claim {answer.claim}, expires {_at(answer.expires_at)}{here})"
             self.retry_after = wait
             return wait
         if answer.state == "published":
