@@ -418,6 +418,7 @@ class Follower:
             "result": str(work / "result.json"),
             "cache_dir": str(self._client.cache.root),
             "parent": os.getpid(),
+            "imports": model_modules(self.declared.model),
         }
         (work / "job.json").write_text(json.dumps(job), encoding="utf-8")
         return job
@@ -435,6 +436,14 @@ def _outcome(child: subprocess.Popen, job: dict[str, Any]) -> tuple[bool, str | 
         return False, f"mint failed: {result['error']}"
     # Killed (or its worker's device lost): nothing released, the claim lapses and the fleet takes over.
     return False, f"mint failed: the mint child ended with status {child.returncode} (claim {job['claim']} lapses)"
+
+
+def model_modules(model: Any) -> list[str]:
+    """The modules defining the model's classes: the child imports them before loading the program, since
+    loading needs the pytree types they register (transformers' ``ModelOutput`` subclasses, say)."""
+    modules = getattr(model, "modules", None)
+    classes = {type(m) for m in modules()} if callable(modules) else {type(model)}
+    return sorted({c.__module__ for c in classes} - {"__main__", "builtins"})
 
 
 def export_program(declared: Declared, dynamic_shapes: Any, path: Path) -> str:

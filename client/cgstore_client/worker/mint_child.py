@@ -29,6 +29,7 @@ compile started, which is how a fleet's compiles are counted and timed.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -82,6 +83,11 @@ def _mint(client: Client, job: dict[str, Any]) -> dict[str, Any]:
 
     from cgstore_client.mint import package_compiled_graph
 
+    for name in job.get("imports") or []:  # the pytree types the program's inputs and outputs need
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # a class defined where the child cannot import it: load says if it mattered
+            _log(f"could not import {name}: {err}")
     program = torch.export.load(job["program"])  # written by our own worker, in a directory only we can read
     minted = package_compiled_graph(program, os.path.join(job["work"], "model.pt2"))
     _log(f"compiled: graph {minted.graph_digest}, {minted.size} bytes")
