@@ -207,7 +207,7 @@ def takeover(fleet: Fleet, workers: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--claim-ttl", type=float, default=6.0)
+    parser.add_argument("--claim-ttl", type=float, default=15.0)
     args = parser.parse_args()
     started = time.perf_counter()
     result: dict[str, float] = {"workers": args.workers}

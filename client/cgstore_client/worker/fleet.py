@@ -396,7 +396,10 @@ class Follower:
         threading.Thread(target=self._reap, args=(child, job), name="cgstore-mint-wait", daemon=True).start()
 
     def _reap(self, child: subprocess.Popen, job: dict[str, Any]) -> None:
-        child.wait()
+        # The worker beats its child's claim too, for as long as the child lives: a child starting slowly on a
+        # loaded machine must not lose the claim before its own first beat, and a dead child stops the beats.
+        with claims.beating(self._client.transport, job["repo"], job["claim"], job["heartbeat_s"]):
+            child.wait()
         self._outcome = _outcome(child, job)
         self.wake()
 
