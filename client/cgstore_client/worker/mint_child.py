@@ -8,7 +8,8 @@ runs in the serving process while the worker serves eager. The job file
 declaration and the files; the token comes in ``CGSTORE_TOKEN`` (never on the
 command line, which other users can read).
 
-While it works a thread beats the claim every ``heartbeat_s``. Outcomes:
+While it works a thread beats the claim every ``heartbeat_s`` (its worker beats
+it too while the child lives, so a slow start never loses it). Outcomes:
 
 - published: the record is released ``published`` (the store also releases a
   claim its holder's publish matches) and ``result.json`` names the key and
