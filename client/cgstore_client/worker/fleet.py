@@ -296,6 +296,10 @@ class Follower:
             published, why = outcome
             if published and self._upgrade(booted):
                 return None
+            if published:  # claiming again would compile the same graph into the same key, forever
+                self.claiming = False
+                booted.reason = why
+                return None
             if why is not None:
                 booted.reason = self._failed_here = (
                     why  # then claim again: backoff after a failure, takeover after a crash
@@ -434,7 +438,10 @@ def _outcome(child: subprocess.Popen, job: dict[str, Any]) -> tuple[bool, str | 
         result = json.loads(Path(job["result"]).read_text(encoding="utf-8"))
     shutil.rmtree(job["work"], ignore_errors=True)
     if child.returncode == 0 and "key" in result:
-        return True, None
+        return True, (
+            f"{outcomes.MISS}: this worker's mint published {result['key']}, which is not served for this "
+            "declaration (the key already recorded under another family in this repo?); not minting again"
+        )
     if "error" in result:
         return False, f"mint failed: {result['error']}"
     # Killed (or its worker's device lost): nothing released, the claim lapses and the fleet takes over.
