@@ -121,6 +121,14 @@ OPENAPI_LINKS: dict[tuple[str, str, tuple[str, ...]], list[tuple[str, str, dict[
             ("post", "/preflight"),
             ("post", "/blobs:missing"),
             ("put", "/compiled-graphs/{key}"),
+            ("post", "/compiled-graphs:claim"),
+        )
+    ],
+    ("post", _REPO + "/compiled-graphs:claim", ("201",)): [
+        (method, _REPO + path, {**_SAME_REPO, "claim": "$response.body#/claim"})
+        for method, path in (
+            ("post", "/compiled-graphs/claims/{claim}:heartbeat"),
+            ("post", "/compiled-graphs/claims/{claim}:release"),
         )
     ],
     ("post", _REPO + "/uploads", ("202",)): [

@@ -18,6 +18,7 @@ import typer
 
 from cgstore.admin.cli import COMMANDS as ADMIN_COMMANDS
 from cgstore.audit.cli import audit_app
+from cgstore.claims.cli import claims_app
 from cgstore.core.errors import StoreError
 from cgstore.core.private import UMASK, private_dir
 from cgstore.settings import MiB, Settings
@@ -372,6 +373,7 @@ def scrub(
 
 
 app.add_typer(audit_app(parse_duration), name="audit")
+app.add_typer(claims_app(), name="claims")
 for _name, _command in ADMIN_COMMANDS.items():
     app.command(_name)(_command)
 

@@ -186,11 +186,11 @@ class Settings(BaseSettings):
         "shown while the next are computed in the background); 0: on every view",
     )
     events_max_waiters: int = Field(
-        500,
+        800,
         ge=1,
         description="long-polls of `GET /v1/compiled-graphs:events` waiting at once per process (they hold no "
-        "thread and no database connection while waiting, but each holds a connection of "
-        "`CGSTORE_MAX_CONNECTIONS`); beyond, 503 `UNAVAILABLE` with `Retry-After`",
+        "thread and no database connection while waiting, but each holds one of `CGSTORE_MAX_CONNECTIONS`: keep "
+        "this below it, so that other requests are still served); beyond, 503 `UNAVAILABLE` with `Retry-After`",
     )
     events_max_wait_s: int = Field(
         30,

@@ -10,6 +10,7 @@ import datetime as dt
 import threading
 import time
 
+import httpx
 import pytest
 from sqlalchemy import select
 
@@ -273,6 +274,14 @@ def test_long_polls_past_the_process_bound_are_unavailable_with_retry_after(make
     assert refused.headers["retry-after"] == "1"
     assert at_once.status_code == 200
     assert poll.result()[0].events == []
+    # A client that hangs up gives its place back at once, not when its wait runs out.
+    impatient = httpx.Client(base_url=store.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=0.5)
+    with impatient as client, pytest.raises(httpx.ReadTimeout):
+        client.get(EVENTS, params={"since": cursor, "wait": 30})
+    deadline = time.monotonic() + 5
+    while store.context.feed.waiters and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.context.feed.waiters == 0
 
 
 @pytest.mark.parametrize("configuration", ["embedded", "production"])

@@ -4,7 +4,7 @@ Publish points (``compiled_graphs/publishing.py``): ``publish.admitted`` (the
 archive was read and admitted, nothing written), ``publish.inserted`` (record,
 components and audit written, the transaction not committed) and
 ``publish.committed`` (committed, the answer not sent). After each the key is
-absent or fully published, the invariant checker finds nothing broken, and a
+absent or fully published (its event in the feed with it, or neither), the invariant checker finds nothing broken, and a
 retry answers 201 (absent) or 200 (it was published). GC point
 ``gc.condemned``: a batch is condemned and not yet deleted; the next run
 finishes it, and the blobs a live record uses are never touched.
@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.compiled_graphs.support import CONSTANTS_A, publication, safetensors_bytes, upload_all
+from tests.events.support import EVENTS
 from tests.faults.conftest import blob_of, unique_bytes
 from tests.support.archives import archive_report
 from tests.support.services import REPO_ROOT, store_process
@@ -47,6 +48,7 @@ def test_killed_inside_a_publish(world, pub, point, published):
     repo = f"pub-{point.replace('.', '-')}"
     with store_process(world.env, world.home) as store, _client(store, token) as client:
         upload_all(client, "acme", repo, pub)
+        cursor = client.get(EVENTS, params={"since": "now"}).json()["next"]
     with store_process({**world.env, "CGSTORE_CRASH_AT": point}, world.home) as store, _client(store, token) as client:
         with pytest.raises(httpx.TransportError):
             client.put(pub.path("acme", repo), json=pub.manifest)
@@ -57,10 +59,19 @@ def test_killed_inside_a_publish(world, pub, point, published):
         assert record.status_code == (200 if published else 404), record.text
         if published:
             assert record.json()["manifest"]["artifact"]["digest"] == pub.artifact.digest
+        # The record and its event are one fact: the event committed with the record, or neither.
+        assert _published_events(client, cursor, repo) == ([pub.key] if published else [])
         retry = client.put(pub.path("acme", repo), json=pub.manifest)
         assert retry.status_code == (200 if published else 201), retry.text
         assert client.get(pub.path("acme", repo)).status_code == 200
+        assert _published_events(client, cursor, repo) == [pub.key]
     world.assert_invariants()
+
+
+def _published_events(client: httpx.Client, cursor: str, repo: str) -> list[str]:
+    answer = client.get(EVENTS, params={"since": cursor})
+    assert answer.status_code == 200, answer.text
+    return [e["key"] for e in answer.json()["events"] if e["kind"] == "published" and e["repo"] == f"acme/{repo}"]
 
 
 def _gc(world, *extra_env: tuple[str, str]) -> subprocess.CompletedProcess:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from sqlalchemy import delete, event, func, select, text
@@ -104,23 +105,26 @@ def _append(session: Session, feed: HeadWatch | None, **values) -> None:
     """
     if session.get_bind().dialect.name == "postgresql":
         session.execute(text("SELECT pg_advisory_xact_lock(:lock)"), {"lock": _APPEND_LOCK})
-    head = session.scalar(select(func.coalesce(func.max(CompiledGraphEvent.id), 0)))
-    session.add(CompiledGraphEvent(id=head + 1, at=utcnow(), **values))
+    session.add(CompiledGraphEvent(id=head(session) + 1, at=utcnow(), **values))
     session.flush()
     if feed is not None:
         # Woken after the commit, never before it: a waiter woken earlier would read nothing new.
         event.listen(session, "after_commit", lambda _session: feed.notify_threadsafe(), once=True)
 
 
+#: The newest event's id (0 before the first): one step down the primary key's index.
+_HEAD = select(func.coalesce(func.max(CompiledGraphEvent.id), 0))
+
+
 def head(session: Session) -> int:
     """The newest event's id (0 before the first)."""
-    return session.scalar(select(func.coalesce(func.max(CompiledGraphEvent.id), 0)))
+    return session.scalar(_HEAD)
 
 
 def head_of(db: Database) -> int:
-    """``head`` in its own short read (the ``HeadWatch``'s poll)."""
-    with db.session() as session:
-        return head(session)
+    """The head in one autocommit statement (the ``HeadWatch``'s poll: no BEGIN and COMMIT round trips)."""
+    with db.reading() as conn:
+        return conn.execute(_HEAD).scalar_one()
 
 
 def trim(ctx: StoreContext, now: dt.datetime | None = None) -> int:
@@ -217,15 +221,22 @@ def _expired(message: str) -> BadRequest:
 
 
 async def follow(
-    ctx: StoreContext, claims: Claims, *, family: str | None, since: str | None, wait_s: float
+    ctx: StoreContext,
+    claims: Claims,
+    *,
+    family: str | None,
+    since: str | None,
+    wait_s: float,
+    gone: Callable[[], Awaitable[object]] | None = None,
 ) -> EventsAnswer:
     """The events after ``since`` the caller may read; with none, wait up to ``wait_s`` for one to arrive.
 
     Parameters are checked (and the cursor opened) before anything waits; an
     answer ready at once takes no place among the process's waiters. The wait
     holds no thread and no database connection: each read is one short
-    threadpool call, and it ends only on an event the caller may see or at the
-    deadline.
+    threadpool call, and it ends only on an event the caller may see, at the
+    deadline, or when ``gone()`` returns (the client hung up: nobody reads the
+    answer, and its place is given back without waiting out the deadline).
     """
     position = await run_in_threadpool(start, ctx, claims, since, family)
     deadline = time.monotonic() + min(wait_s, ctx.settings.events_max_wait_s)
@@ -236,7 +247,7 @@ async def follow(
     async with ctx.feed.waiting():
         while not page.events:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not await ctx.feed.wait(ticket, remaining):
+            if remaining <= 0 or not await ctx.feed.wait(ticket, remaining, gone):
                 break
             ticket = ctx.feed.ticket()
             page = await run_in_threadpool(read, ctx, claims, family, page.position)

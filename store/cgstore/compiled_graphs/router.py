@@ -179,6 +179,7 @@ async def discover(
     },
 )
 async def record_events(
+    request: Request,
     family: str | None = Query(None, max_length=100),
     since: str | None = Query(None, max_length=CURSOR_LEN),
     wait: Annotated[QueryInt, Query(ge=0, le=MAX_EVENTS_WAIT_S)] = 0,
@@ -186,4 +187,13 @@ async def record_events(
     ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Records published and yanked that the token may read, in commit order; long-polls up to `wait` seconds."""
-    return _json(await events.follow(ctx, claims, family=family, since=since, wait_s=wait))
+    answer = await events.follow(
+        ctx, claims, family=family, since=since, wait_s=wait, gone=lambda: _disconnected(request)
+    )
+    return _json(answer)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (a GET's body is empty: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -294,7 +294,7 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     answer with nothing readable is the same bytes as one with nothing at all.
     """
     derived, digest = check_declaration(request)
-    found, miss = _candidates(
+    found, miss = _discover_rows(
         ctx, claims, request, digest, urls_for, request.limit, derived if request.explain else None
     )
     answer: dict[str, Any] = {"candidates": found}  # built in ``DiscoverAnswer``'s field order, as resolve's is
@@ -309,10 +309,10 @@ def candidates(
     """What discover would answer ``claims`` for ``request`` (a claim's declaration): its candidates as plain
     data in ``Candidate``'s field order, best first, at most ``limit``; the same search, one implementation."""
     _, digest = check_declaration(request)
-    return _candidates(ctx, claims, request, digest, urls_for, limit, None)[0]
+    return _discover_rows(ctx, claims, request, digest, urls_for, limit, None)[0]
 
 
-def _candidates(
+def _discover_rows(
     ctx: StoreContext,
     claims: Claims,
     request: Declaration,

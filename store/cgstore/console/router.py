@@ -9,7 +9,9 @@ Sign-in keeps the admin token in a cookie (``HttpOnly``, ``SameSite=Strict``,
 ``Path=/console``, ``Secure`` over https, expiring with the token). Every page
 verifies it again (``TokenService.verify``, as the bearer dependency does) and
 enforces the admin rule, so an expired or revoked token is signed out at the
-next page. The only state-changing requests are the sign-in and sign-out POSTs;
+next page. The only state-changing requests are the sign-in and sign-out POSTs
+and the overview's "Clear" of a failing declaration (``POST
+/console/claims/{id}/clear``, audited as ``compiled_graph.claim.clear``);
 ``SameSite=Strict`` keeps the cookie off cross-site requests and a POST from
 another origin (``Origin``, or ``Sec-Fetch-Site`` when the browser sends
 ``Origin: null``) is refused, so no CSRF token is needed.
@@ -401,6 +403,24 @@ async def overview(request: Request, ctx: StoreContext = Depends(get_context)) -
         lambda claims: service.overview(ctx, claims),
         aggregates_s=ctx.settings.console_aggregates_s,
     )
+
+
+@router.post(f"{PREFIX}/claims/{{slot}}/clear")
+async def clear_claim(slot: str, request: Request, ctx: StoreContext = Depends(get_context)) -> Response:
+    """Clear a failing declaration (its next claim is granted), then back to the overview."""
+    if _cross_origin(request):
+        await audit_denial(request, Denied("cross-origin clear form refused"))
+        return _forbidden("A form from another site was refused.")
+    claims = await _signed_in(request, ctx)
+    if isinstance(claims, Response):
+        return claims
+    try:
+        await run_in_threadpool(service.clear_failing, ctx, claims, slot)
+    except StoreError as err:
+        if err.status != 404:
+            raise
+        return _message(404, "Not found", err.message, claims)
+    return _see_other(request, PREFIX)
 
 
 RECORD_FILTERS = ("family", "sm", "lane", "repo", "publisher", "health")

@@ -4,7 +4,8 @@ No query of its own: records come from ``admin.service`` (the host's ``cgstore
 ls/show/stats``), the log from ``audit.service``, tokens and keys from the
 token service, receipts from ``compiled_graphs.receipts``, a declaration's
 miss explained by ``compiled_graphs.search`` (discover's own), bytes from
-``blobs.service``, leases from ``operations.leases``. Every function takes the
+``blobs.service``, leases from ``operations.leases``, mints in flight and
+failing declarations from ``claims.service``. Every function takes the
 verified claims and enforces the admin rule first (``access.is_admin``), as
 ``GET /v1/admin/stats`` and ``GET /v1/audit`` do.
 
@@ -29,6 +30,7 @@ page reads live, bounded by its page size.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -47,6 +49,7 @@ from cgstore.access import is_admin
 from cgstore.admin import service as admin
 from cgstore.audit import service as audit
 from cgstore.blobs import service as blobs
+from cgstore.claims import service as claims_service
 from cgstore.compiled_graphs import explain, receipts, search
 from cgstore.compiled_graphs.publishing import ACTION_PUBLISH
 from cgstore.console import charts
@@ -173,11 +176,26 @@ class Overview:
     #: Live records per unhealthy state (a link each).
     unhealthy_states: list[tuple[str, int]]
     computed_at: dt.datetime
+    #: Read live on every view (not aggregates): mints running now, and declarations no claim is granted for.
+    in_flight: list[claims_service.SlotView] = field(default_factory=list)
+    failing: list[claims_service.SlotView] = field(default_factory=list)
+    now: dt.datetime | None = None
 
 
 def overview(ctx: StoreContext, claims: Claims) -> Overview:
     is_admin(claims).enforce()
-    return _overview.get(ctx)
+    with ctx.db.session() as session:
+        in_flight = claims_service.in_flight(session, PAGE_ROWS)
+        failing = claims_service.failing(session, PAGE_ROWS)
+    return dataclasses.replace(_overview.get(ctx), in_flight=in_flight, failing=failing, now=utcnow())
+
+
+def clear_failing(ctx: StoreContext, claims: Claims, slot: str) -> claims_service.SlotView:
+    """The overview's "Clear" on a failing declaration (``cgstore claims clear`` on the host): admin only."""
+    slot_id = parse_number(slot)
+    if slot_id is None:
+        raise NameUnknown("no such claimed declaration", id=slot[:32])
+    return claims_service.clear_as_admin(ctx, claims, slot_id)
 
 
 def _overview_facts(ctx: StoreContext) -> Overview:

@@ -134,6 +134,12 @@ class Unavailable(StoreError):
         return {"Retry-After": str(self.retry_after_s)}
 
 
+class TooManyWaiters(Unavailable):
+    """Past the process's bound on long-polls waiting at once (``CGSTORE_EVENTS_MAX_WAITERS``): retry in a moment."""
+
+    retry_after_s: ClassVar[int] = 1
+
+
 class RateLimited(StoreError):
     """Too many requests of one kind from one token: retry after ``retry_after_s``.
 

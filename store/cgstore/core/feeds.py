@@ -29,19 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
 
-from cgstore.core.errors import Unavailable
+from cgstore.core.errors import TooManyWaiters
 
 log = logging.getLogger(__name__)
-
-
-class TooManyWaiters(Unavailable):
-    """Past the process's bound on long-polls waiting at once: retry in a moment (503 ``UNAVAILABLE``)."""
-
-    retry_after_s = 1
 
 
 class HeadWatch:
@@ -78,15 +72,21 @@ class HeadWatch:
         """The current generation: take it before reading, then ``wait`` on it."""
         return self._moved
 
-    async def wait(self, ticket: asyncio.Event, timeout_s: float) -> bool:
-        """Until the head moved since ``ticket`` was taken (True) or ``timeout_s`` passed (False)."""
+    async def wait(
+        self, ticket: asyncio.Event, timeout_s: float, gone: Callable[[], Awaitable[object]] | None = None
+    ) -> bool:
+        """Until the head moved since ``ticket`` was taken (True), or ``timeout_s`` passed or ``gone()``
+        returned (False: the client hung up; its place among the waiters is given back at once)."""
         if timeout_s <= 0:
             return ticket.is_set()
+        moved = asyncio.ensure_future(ticket.wait())
+        watches = [moved] if gone is None else [moved, asyncio.ensure_future(gone())]
         try:
-            await asyncio.wait_for(ticket.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+            await asyncio.wait(watches, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for watch in watches:
+                watch.cancel()
+        return ticket.is_set()
 
     def _wake(self) -> None:
         moved, self._moved = self._moved, asyncio.Event()
@@ -103,6 +103,7 @@ class HeadWatch:
     async def run(self) -> None:
         """The poll, for the life of the app: read the head every ``poll_s`` while anyone waits."""
         self._loop = asyncio.get_running_loop()
+        self._moved = asyncio.Event()  # bound to this loop (an app served again runs in a new one)
         try:
             while True:
                 if self._waiters:

@@ -21,6 +21,8 @@ anywhere is finished by the next one:
 
 After the blobs, GC reaps expired upload sessions and drops staged uploads
 no session row names any more, once last written longer ago than the grace.
+The periodic round (``collect_garbage``) also trims the record events feed
+past its horizon (``compiled_graphs.events.trim``, ``CGSTORE_EVENTS_RETENTION_S``).
 
 The scan walks blobs by digest with a keyset cursor, saved in the GC lease
 after every batch, so a successor on another replica resumes where a dead
