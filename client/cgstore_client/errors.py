@@ -118,14 +118,17 @@ class CompiledRequired(CgstoreError):
     """A mandatory want that cannot be served compiled: fail the boot before any GPU work, retry later.
 
     ``reasons`` maps each such key to why (a miss, offline and not cached, a receipt refused...).
+    ``retry_after`` is, when known, the seconds until it is worth asking again (a fleet's mint of the
+    declaration is expected to end, or its backoff to lapse, by then).
     """
 
     retryable = True
 
-    def __init__(self, reasons: dict[str, str]) -> None:
+    def __init__(self, reasons: dict[str, str], *, retry_after: float | None = None) -> None:
         listed = "; ".join(f"{key}: {why}" for key, why in reasons.items())
         super().__init__(f"compiled execution is mandatory and not available: {listed}")
         self.reasons = dict(reasons)
+        self.retry_after = retry_after
 
 
 class MintError(CgstoreError):

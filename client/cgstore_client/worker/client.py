@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,7 @@ from cgstore_client.receipts import (
     verify_jws_receipt,
 )
 from cgstore_client.wire.discovery import DEFAULT_DISCOVER_LIMIT, Candidate
+from cgstore_client.wire.fleet import MAX_EVENTS_WAIT_S
 from cgstore_client.wire.records import Manifest, PublishAnswer, Record, ResolveAnswer, ResolveHit, ResolveRequest
 from cgstore_client.worker import outcomes
 from cgstore_client.worker.cache import Cache, hash_file
@@ -71,6 +73,7 @@ from cgstore_client.worker.outcomes import Eager, Loaded, Want
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from cgstore_client.worker.discovery import Booted
+    from cgstore_client.worker.fleet import Watcher
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
 #: Blobs at least this large go through a resumable upload session rather than one PUT.
@@ -127,10 +130,13 @@ class Client:
         download_part_bytes: int | None = None,
         limits: Limits | None = None,
         trusted_jwks: object = None,
+        events_wait_s: float = MAX_EVENTS_WAIT_S,
     ) -> None:
         """``limits``: deadlines, throughput and size bounds (default: ``Limits.from_env()``).
         ``trusted_jwks``: pin the keys receipts may be signed with (``receipts.TrustPin.parse``: a JWKS,
-        a JWKS file's path, or RFC 7638 thumbprints; default ``CGSTORE_TRUSTED_JWKS``, else the store's JWKS)."""
+        a JWKS file's path, or RFC 7638 thumbprints; default ``CGSTORE_TRUSTED_JWKS``, else the store's JWKS).
+        ``events_wait_s``: how long one long-poll of the events feed waits (≤ 30; a yank reaches a handle
+        within it and a second)."""
         self.url = (url or os.environ.get("CGSTORE_URL") or DEFAULT_URL).rstrip("/")
         self.token = token if token is not None else _token_from_env()
         self.offline = offline if offline is not None else os.environ.get("CGSTORE_OFFLINE", "").lower() in _TRUE
@@ -150,6 +156,10 @@ class Client:
         self.downloads = Plan(slots, part_bytes, self.retry, self.cache, self.limits)
         self._transport: Transport | None = None
         self._jwks: dict | None = None
+        self.events_wait_s = events_wait_s
+        self.closed = False
+        self._watcher: Watcher | None = None
+        self._watcher_lock = threading.Lock()
 
     def __enter__(self) -> Client:
         return self
@@ -158,8 +168,21 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        self.closed = True
+        if self._watcher is not None:
+            self._watcher.stop()
         if self._transport is not None:
             self._transport.close()
+
+    @property
+    def watcher(self) -> Watcher:
+        """The one follower of the events feed for this client's handles (``worker.fleet.Watcher``), made on first use."""
+        with self._watcher_lock:
+            if self._watcher is None:
+                from cgstore_client.worker.fleet import Watcher
+
+                self._watcher = Watcher(self, self.events_wait_s)
+            return self._watcher
 
     @property
     def transport(self) -> Transport:
@@ -520,6 +543,10 @@ class Client:
         example_inputs: tuple[Any, ...] | None = None,
         checkpoint: Any = None,
         device: str = "cpu",
+        mint: str = "never",
+        publish_to: str | None = None,
+        dynamic_shapes: Any = None,
+        watch: bool = True,
     ) -> Booted:
         """Serve ``model`` compiled from a record discovered by its declaration, confirmed as asked, else eager.
 
@@ -531,21 +558,31 @@ class Client:
         ``example_inputs`` feed the confirmation and the structural gate. ``checkpoint`` binds other
         weights by name (default: the model's own); ``device`` is where the graph runs.
         See :func:`cgstore_client.worker.discovery.boot_by_declaration`.
-        """
-        from cgstore_client.worker import discovery
 
-        return discovery.boot_by_declaration(
+        The miss path (``cgstore_client.worker.fleet``): ``mint="on_miss"`` claims the declaration in
+        ``publish_to`` and, when granted, exports the model on ``example_inputs`` (``dynamic_shapes`` as
+        ``torch.export`` takes them) and mints it in a child process while serving eager. ``watch``
+        (default on): the handle switches to compiled in place when a record is published for its
+        declaration, and to eager when the record it serves is yanked.
+        """
+        from cgstore_client.worker import fleet
+
+        return fleet.boot(
             self,
             family,
             model,
+            mint=mint,
+            publish_to=publish_to,
+            dynamic_shapes=dynamic_shapes,
+            watch=watch,
+            mandatory=mandatory,
+            example_inputs=example_inputs,
             envelope=envelope,
             toolchain=toolchain,
             sm=sm,
             release=release,
             code=code,
-            mandatory=mandatory,
             confirm=confirm,
-            example_inputs=example_inputs,
             checkpoint=checkpoint,
             device=device,
         )

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -87,16 +88,44 @@ SERVED_FROM_CACHE = "served from the local cache"
 NAMED_DIFFERENCES = 4
 
 
+_MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+_SHARED_LOCK = threading.RLock()  # for a model that cannot be weakly referenced
+
+
+def model_lock(model: Any) -> threading.RLock:
+    """The lock held by every export of ``model`` and every eager call of it through a handle.
+
+    A non-strict ``torch.export`` swaps fake tensors into the module's parameters
+    for the trace: an eager call of the same module meanwhile, on another
+    thread, runs on fake tensors and fails (or kills the process). Exports here
+    run beside serving (background confirmation, a mint's export after a
+    takeover), so eager calls wait for them instead.
+    """
+    with _MODEL_LOCKS_GUARD:
+        try:
+            return _MODEL_LOCKS.setdefault(model, threading.RLock())
+        except TypeError:
+            return _SHARED_LOCK
+
+
 class Booted:
     """What :func:`boot` serves: callable like the model, compiled when it can be.
 
     ``compiled``: whether calls go to the compiled graph; ``loaded``: the
-    record served (kept after a drift, so it can be named); ``reason``: why
+    record served (kept after a drift or a yank, so it can be named); ``reason``: why
     calls go eager (while compiled: None, or ``served from the local cache
     (unavailable: …)`` when the store could not be asked); ``served_from``:
     ``store`` or ``cache`` (the last answer cached for this declaration);
     ``confirmation``: ``pending``, ``confirmed``, ``drift`` or ``skipped`` (no
     example inputs, ``confirm="never"``, or an export that failed in the background).
+
+    A handle can change target while it serves: a record published for its
+    declaration switches it to compiled, a yank or a drift to eager. The switch
+    is one assignment read once per call, so it is atomic between calls and a
+    call in flight finishes on the target it started with. A ``mandatory``
+    handle never runs eager: without a compiled target a call raises
+    :class:`CompiledRequired`.
     """
 
     def __init__(
@@ -107,37 +136,79 @@ class Booted:
         loaded: Loaded | None = None,
         reason: str | None = None,
         confirmation: str = SKIPPED,
+        mandatory: bool = False,
     ) -> None:
         self.model = model
         self.loaded = loaded
         self.reason = reason
         self.confirmation = confirmation
         self.served_from = "store"
+        self.mandatory = mandatory
+        #: The declaration this handle was booted from (what a later publish or yank is matched against).
+        self.declared: Declared | None = None
+        #: What moves this handle after boot (``worker.fleet.Follower``), kept alive by it; None: nothing does.
+        self.follower: object | None = None
         self._compiled = compiled
         self._settled = threading.Event()
+        self._ready = threading.Event()  # set while compiled: what wait_compiled waits on
         if confirmation != PENDING:
             self._settled.set()
+        if compiled is not None:
+            self._ready.set()
 
     @property
     def compiled(self) -> bool:
         return self._compiled is not None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        target = self._compiled  # one read: a concurrent switch to eager takes effect on the next call
-        return (self.model if target is None else target)(*args, **kwargs)
+        target = self._compiled  # one read: a concurrent switch takes effect on the next call
+        if target is not None:
+            return target(*args, **kwargs)
+        if self.mandatory:  # never the eager model (e.g. after a yank): the caller retries later
+            raise CompiledRequired({self._name(): self.reason or outcomes.MISS})
+        with model_lock(self.model):  # not while an export has fake tensors in the module
+            return self.model(*args, **kwargs)
 
     def wait_confirmed(self, timeout: float | None = None) -> str:
         """Block until confirmation is no longer pending (or ``timeout`` seconds); returns it."""
         self._settled.wait(timeout)
         return self.confirmation
 
-    def _go_eager(self, reason: str) -> None:
-        self._compiled = None
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until calls go to a compiled graph (or ``timeout`` seconds); returns whether they do."""
+        self._ready.wait(timeout)
+        return self.compiled
+
+    def switch_to_eager(self, reason: str) -> None:
+        """Every later call goes eager (or raises, when mandatory), saying why."""
         self.reason = reason
+        self._compiled = None
+        self._ready.clear()
+
+    _go_eager = switch_to_eager
+
+    def adopt(self, fresh: Booted) -> None:
+        """Serve what ``fresh`` (a later boot of the same declaration) serves, in place; the target switches last."""
+        self.loaded = fresh.loaded
+        self.served_from = fresh.served_from
+        self.confirmation = fresh.confirmation
+        self.reason = fresh.reason
+        if fresh.confirmation == PENDING:
+            self._settled.clear()
+        else:
+            self._settled.set()
+        self._compiled = fresh._compiled
+        if fresh._compiled is not None:
+            self._ready.set()
 
     def _settle(self, confirmation: str) -> None:
         self.confirmation = confirmation
         self._settled.set()
+
+    def _name(self) -> str:
+        if self.loaded is not None:
+            return self.loaded.key
+        return self.declared.family if self.declared is not None else "model"
 
     def __repr__(self) -> str:
         key = self.loaded.key if self.loaded else None
@@ -145,6 +216,32 @@ class Booted:
             f"Booted(compiled={self.compiled}, key={key!r}, confirmation={self.confirmation!r}, "
             f"served_from={self.served_from!r}, reason={self.reason!r})"
         )
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A boot's declaration and what serving it needs, kept with its handle so it can be served again later
+    (when a record is published for it). ``graph``: the graph digest this worker exported for its own mint,
+    when it minted (a record with that graph is this model's: confirmed without exporting again)."""
+
+    family: str
+    model: Any
+    request: DiscoverRequest
+    example_inputs: tuple[Any, ...] | None
+    checkpoint: Any
+    device: str
+    confirm: str
+    mandatory: bool = False
+    graph: str | None = None
+
+    @property
+    def discovery_digest(self) -> str:
+        """What the store's events and claims name this declaration by (``binding.discovery_digest``)."""
+        from cgstore_client.binding import discovery_digest
+
+        envelope = Envelope.from_dict(self.request.envelope)
+        toolchain = Toolchain({**self.request.toolchain.components, **self.request.toolchain.recorded})
+        return discovery_digest(self.family, envelope.digest, self.request.sm, toolchain.digest, toolchain.recorded)
 
 
 # --- discover ------------------------------------------------------------------------------
@@ -247,25 +344,85 @@ def boot_by_declaration(
     defaults to ``"before"`` when ``mandatory`` (which raises
     :class:`CompiledRequired` rather than serve eager), else ``"background"``.
     """
-    confirm = confirm or ("before" if mandatory else "background")
-    if confirm not in CONFIRM_MODES:
-        raise ValueError(f"confirm is one of {CONFIRM_MODES}, not {confirm!r}")
-    confirm_each = confirm == "before" and example_inputs is not None
-    booted = _boot(
-        client,
+    declared = declare(
         family,
         model,
-        _declaration(family, model, envelope, toolchain, sm, release, code, device),
-        example_inputs,
-        checkpoint,
-        device,
-        confirm_each,
+        envelope=envelope,
+        toolchain=toolchain,
+        sm=sm,
+        release=release,
+        code=code,
+        mandatory=mandatory,
+        confirm=confirm,
+        example_inputs=example_inputs,
+        checkpoint=checkpoint,
+        device=device,
     )
-    if booted.compiled and confirm == "background" and example_inputs is not None:
-        _start_confirmation(client, booted, model, example_inputs, background=True)
+    booted = serve_declared(client, declared)
+    confirm_in_background(client, booted)
     if mandatory and not booted.compiled:
         raise CompiledRequired({family: booted.reason or outcomes.MISS})
     return booted
+
+
+def declare(
+    family: str,
+    model: Any,
+    *,
+    envelope: Envelope | Mapping[str, object],
+    toolchain: Toolchain | Mapping[str, str] | None = None,
+    sm: str | None = None,
+    release: str | None = None,
+    code: bool | str = True,
+    mandatory: bool = False,
+    confirm: str | None = None,
+    example_inputs: tuple[Any, ...] | None = None,
+    checkpoint: Any = None,
+    device: str = "cpu",
+) -> Declared:
+    """The declaration of ``model`` (its binding signature and code fingerprint computed, nothing traced)."""
+    confirm = confirm or ("before" if mandatory else "background")
+    if confirm not in CONFIRM_MODES:
+        raise ValueError(f"confirm is one of {CONFIRM_MODES}, not {confirm!r}")
+    request = _declaration(family, model, envelope, toolchain, sm, release, code, device)
+    return Declared(family, model, request, example_inputs, checkpoint, device, confirm, mandatory)
+
+
+def serve_declared(client: Client, declared: Declared) -> Booted:
+    """One discover of ``declared`` and the first candidate through the gate (and, ``confirm="before"``, confirmed).
+
+    A candidate whose graph is ``declared.graph`` (this worker's own export) is
+    confirmed as it is: no second export. Background confirmation is the
+    caller's (:func:`confirm_in_background`, on the handle that will serve).
+    Never raises for a mandatory declaration: the caller decides.
+    """
+    confirm_each = declared.confirm == "before" and declared.example_inputs is not None
+    booted = _boot(
+        client,
+        declared.family,
+        declared.model,
+        declared.request,
+        declared.example_inputs,
+        declared.checkpoint,
+        declared.device,
+        confirm_each,
+        declared.graph,
+    )
+    booted.declared, booted.mandatory = declared, declared.mandatory
+    return booted
+
+
+def confirm_in_background(client: Client, booted: Booted) -> None:
+    """Start ``booted``'s background confirmation when its declaration asks for one and it has none yet."""
+    declared = booted.declared
+    if (
+        booted.compiled
+        and declared is not None
+        and declared.confirm == "background"
+        and declared.example_inputs is not None
+        and booted.confirmation == SKIPPED
+    ):
+        _start_confirmation(client, booted, declared.model, declared.example_inputs, background=True)
 
 
 def _declaration(family, model, envelope, toolchain, sm, release, code, device) -> DiscoverRequest:
@@ -286,7 +443,15 @@ def _declaration(family, model, envelope, toolchain, sm, release, code, device) 
 
 
 def _boot(
-    client, family, model, request: DiscoverRequest, example_inputs, checkpoint, device, confirm_each: bool
+    client,
+    family,
+    model,
+    request: DiscoverRequest,
+    example_inputs,
+    checkpoint,
+    device,
+    confirm_each: bool,
+    known_graph: str | None = None,
 ) -> Booted:
     """The first candidate through the structural gate (and, with ``confirm_each``, confirmed), else eager."""
     try:
@@ -295,7 +460,9 @@ def _boot(
         return Booted(model, reason=f"{outcomes.OFFLINE_NOT_CACHED}: {err}")
     except Unavailable as err:  # down, or too slow (past the call deadline): never hung
         return Booted(model, reason=outcomes.reason_for(err))
-    booted = _serve_first(client, model, request, discovered.answer, example_inputs, checkpoint, device, confirm_each)
+    booted = _serve_first(
+        client, model, request, discovered.answer, example_inputs, checkpoint, device, confirm_each, known_graph
+    )
     if discovered.from_cache is not None:
         booted.served_from = "cache"
         if booted.compiled:  # compiled all the same: say the store was not asked
@@ -314,6 +481,7 @@ def _serve_first(
     checkpoint,
     device,
     confirm_each: bool,
+    known_graph: str | None = None,
 ) -> Booted:
     candidates = answer.candidates
     shapes = _leaf_shapes(example_inputs) if example_inputs is not None else None
@@ -326,6 +494,9 @@ def _serve_first(
             continue
         loaded, compiled = outcome
         booted = Booted(model, compiled=compiled, loaded=loaded)
+        if known_graph is not None and loaded.record["manifest"]["axes"]["graph"] == known_graph:
+            booted._settle(CONFIRMED)  # the program this worker exported for its own mint: nothing to export again
+            return booted
         if not confirm_each:
             return booted
         _start_confirmation(client, booted, model, example_inputs, background=False)
@@ -472,7 +643,8 @@ def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str
         return {axis: dims[d] for axis, d in enumerate(shape) if isinstance(d, str) and d in dims} or None
 
     args = tuple(example_inputs)
-    program = torch.export.export(model, args, dynamic_shapes=pytree.tree_map_with_path(dynamic, args))
+    with model_lock(model):
+        program = torch.export.export(model, args, dynamic_shapes=pytree.tree_map_with_path(dynamic, args))
     return graph_digest_from_program(program)
 
 

@@ -1,0 +1,51 @@
+"""One worker of ``bench/fleet.py``: boots tiny GPT-2 by declaration with ``mint="on_miss"``, reports what it serves.
+
+``python bench/_fleet_worker.py URL REPO FAMILY CACHE STOP_FILE`` with ``CGSTORE_TOKEN`` set. Prints one
+JSON line (with the Unix time) at boot and each time what the handle serves changes, calling it every 10 ms
+until ``STOP_FILE`` exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.support
+
+import torch  # noqa: E402
+
+from cgstore_client import Client  # noqa: E402
+from tests.support.hf_archives import IDS_SHAPE, hf_inputs, tiny_hf_model  # noqa: E402
+
+ENVELOPE = {"shapes": [[1, 1]], "text_len": IDS_SHAPE[1], "batch_sizes": [IDS_SHAPE[0]]}
+EVENTS_WAIT_S = 10
+
+
+def say(**line) -> None:
+    print(json.dumps({"t": time.time(), "pid": os.getpid(), **line}), flush=True)
+
+
+def main() -> int:
+    url, repo, family, cache, stop = sys.argv[1:6]
+    model = tiny_hf_model("gpt2", seed=os.getpid() % 1000)  # random weights of its own: no hub
+    inputs = hf_inputs()
+    with Client(url, cache_dir=cache, events_wait_s=EVENTS_WAIT_S) as client:
+        booted = client.boot(family, model, envelope=ENVELOPE, example_inputs=inputs, mint="on_miss", publish_to=repo)
+        say(event="booted", compiled=booted.compiled, reason=booted.reason)
+        last = None
+        while not os.path.exists(stop):
+            state = (booted.compiled, booted.loaded.key if booted.loaded else None, booted.reason)
+            with torch.no_grad():
+                booted(*inputs)
+            if state != last:
+                say(event="state", compiled=state[0], key=state[1], reason=state[2])
+                last = state
+            time.sleep(0.01)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
