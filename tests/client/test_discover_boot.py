@@ -117,7 +117,9 @@ def test_a_patched_forward_is_served_then_switched_to_eager_when_background_conf
     compiled_twin = tiny_model(seed=3)  # what the record computes with these weights
     with Client(store.base_url, token, cache_dir=tmp_path / "c") as client:
         booted = boot(client, live, code=False, example_inputs=tiny_inputs())
-        assert booted.compiled  # the structural gate cannot tell: same names, dtypes, shapes
+        # Served: the structural gate cannot tell (same names, dtypes, shapes). Whether it is still compiled
+        # depends on how far the background confirmation got already (with warm caches it can be done).
+        assert booted.loaded is not None and booted.loaded.key == key
         # Each call runs the compiled graph or, once confirmation found the drift (it may already
         # have: it runs in the background), the live model: never anything else.
         with torch.no_grad():

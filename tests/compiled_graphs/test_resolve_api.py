@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from sqlalchemy import event, select, update
@@ -223,7 +225,9 @@ def test_resolve_runs_the_same_number_of_sql_statements_for_1_and_256_keys(store
     statements: list[str] = []
 
     def count(conn, cursor, statement, parameters, context, executemany):
-        if not statement.startswith("SET LOCAL "):  # a setting of the transaction (plan_without_values), no query
+        # Not a setting of the transaction (plan_without_values), no query; nor the events feed's head, which
+        # the store polls in the background while a worker of another test long-polls (core.feeds.HeadWatch).
+        if not statement.startswith("SET LOCAL ") and "record_events" not in statement:
             statements.append(statement)
 
     def measured(keys: list[str]) -> int:
@@ -237,6 +241,9 @@ def test_resolve_runs_the_same_number_of_sql_statements_for_1_and_256_keys(store
         assert answers[0]["status"] == "hit"
         return len(statements)
 
+    # The fixture's publish woke the long-polls that workers of earlier tests may have left (each reads what
+    # it may see, then waits on): let those reads end before counting.
+    time.sleep(1)
     one = measured([pub.key])
     many = measured([pub.key] + [absent_key(i) for i in range(MAX_RESOLVE_KEYS - 1)])
     assert one == many
