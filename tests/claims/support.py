@@ -8,6 +8,7 @@ from pydantic import TypeAdapter
 
 from cgstore_client.wire.fleet import ClaimAnswer, ClaimHeartbeat, ClaimReleased
 from tests.compiled_graphs.support import FAMILY, RECORDED, TOOLCHAIN, unique_envelope
+from tests.compiled_graphs.test_discover import declaration
 
 ANSWER = TypeAdapter(ClaimAnswer)
 SM = "sm_90"
@@ -25,17 +26,8 @@ def fresh_declaration(**overrides) -> dict:
     return body
 
 
-def of_publication(pub, **overrides) -> dict:
-    """The declaration a worker booting ``pub``'s model states (its manifest's axes without the graph)."""
-    axes = pub.manifest["axes"]
-    body = {
-        "family": pub.manifest["family"],
-        "envelope": axes["envelope"],
-        "sm": axes["sm"],
-        "toolchain": axes["toolchain"],
-    }
-    body.update(overrides)
-    return body
+#: The declaration a worker booting a publication's model states: discover's test helper, one definition.
+of_publication = declaration
 
 
 def post_claim(client: httpx.Client, owner: str, repo: str, declaration: dict) -> httpx.Response:
