@@ -3,6 +3,7 @@
 Public API::
 
     inspect(path, *, limits=DEFAULT_LIMITS) -> ArchiveReport
+    inspect_zip(seekable_binary_file, *, limits=DEFAULT_LIMITS) -> ArchiveReport   # no kind sniffing
     graph_digest_from_archive(path, *, limits=DEFAULT_LIMITS) -> "blake3:<hex>"
     graph_digest_from_document(program_json_document) -> "blake3:<hex>"
     graph_digest_from_program(exported_program) -> "blake3:<hex>"      # imports torch lazily
@@ -55,7 +56,14 @@ from cgstore_client.archive.graph import (
     graph_digest_from_document,
     graph_digest_from_program,
 )
-from cgstore_client.archive.reader import ArchiveReport, ProgramFacts, graph_digest_from_archive, inspect, program_facts
+from cgstore_client.archive.reader import (
+    ArchiveReport,
+    ProgramFacts,
+    graph_digest_from_archive,
+    inspect,
+    inspect_zip,
+    program_facts,
+)
 from cgstore_client.archive.zipsafe import DEFAULT_LIMITS, Limits
 
 __all__ = [
@@ -96,6 +104,7 @@ __all__ = [
     "graph_digest_from_document",
     "graph_digest_from_program",
     "inspect",
+    "inspect_zip",
     "program_facts",
     "sm_for_device",
 ]

@@ -36,7 +36,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 from cgstore_client.archive.contract import (
     AotiConstant,
@@ -59,7 +59,13 @@ from cgstore_client.archive.errors import (
     SmMismatch,
 )
 from cgstore_client.archive.graph import ProgramView, tied_graph_digest
-from cgstore_client.archive.kind import RETIRED_KIND, looks_like_inductor_cache, refuse_non_zip
+from cgstore_client.archive.kind import (
+    FORMAT_ZIP,
+    RETIRED_KIND,
+    looks_like_inductor_cache,
+    refuse_non_zip,
+    sniff_format,
+)
 from cgstore_client.archive.zipsafe import DEFAULT_LIMITS, Limits, SafeZip
 from cgstore_client.errors import MetadataError
 from cgstore_client.metadata import KIND_AOT_INDUCTOR, CompiledGraphMetadata, canonical_ties, parse_metadata
@@ -71,6 +77,7 @@ __all__ = [
     "ProgramFacts",
     "graph_digest_from_archive",
     "inspect",
+    "inspect_zip",
     "program_facts",
 ]
 
@@ -366,27 +373,43 @@ def inspect(path: str | os.PathLike[str], *, limits: Limits = DEFAULT_LIMITS) ->
     path = os.fspath(path)
     refuse_non_zip(path, limits)
     with SafeZip(path, limits) as zf:
-        layout = _read_layout(zf)
-        facts = program_facts(_read_program(zf, layout), _read_aoti_constants(zf, layout))
-        device = _read_device(zf, layout)
-        metadata = _read_metadata(zf, layout)
-        _check_policy(metadata, device)
-        _check_ties(metadata, facts.binding_table)
-        return ArchiveReport(
-            kind=KIND_AOT_INDUCTOR,
-            format=ARCHIVE_FORMAT,
-            root=layout.root,
-            model_name=layout.model_name,
-            archive_version=layout.archive_version,
-            graph_digest=tied_graph_digest(facts.graph_digest, metadata.ties),
-            input_contract=facts.input_contract,
-            binding_table=facts.binding_table,
-            sm=device.sm,
-            device=device,
-            metadata=metadata,
-            aoti_files=tuple(layout.aoti_files),
-            total_bytes=sum(zf.size(name) for name in zf.names),
-        )
+        return _report(zf)
+
+
+def inspect_zip(stream: BinaryIO, *, limits: Limits = DEFAULT_LIMITS) -> ArchiveReport:
+    """:func:`inspect` of a zip given as a seekable binary file object (the store's ranged view of a
+    stored blob): only what the checks need is read. Anything that does not start like a zip is
+    :class:`KindUnsupported` here; :func:`inspect` of a file names the retired kind too."""
+    stream.seek(0)
+    if sniff_format(stream.read(4)) != FORMAT_ZIP:  # either zip magic is 4 bytes
+        raise KindUnsupported("this file does not start like a zip")
+    with SafeZip(stream, limits) as zf:
+        return _report(zf)
+
+
+def _report(zf: SafeZip) -> ArchiveReport:
+    """Every check after the kind, on an opened zip; the report."""
+    layout = _read_layout(zf)
+    facts = program_facts(_read_program(zf, layout), _read_aoti_constants(zf, layout))
+    device = _read_device(zf, layout)
+    metadata = _read_metadata(zf, layout)
+    _check_policy(metadata, device)
+    _check_ties(metadata, facts.binding_table)
+    return ArchiveReport(
+        kind=KIND_AOT_INDUCTOR,
+        format=ARCHIVE_FORMAT,
+        root=layout.root,
+        model_name=layout.model_name,
+        archive_version=layout.archive_version,
+        graph_digest=tied_graph_digest(facts.graph_digest, metadata.ties),
+        input_contract=facts.input_contract,
+        binding_table=facts.binding_table,
+        sm=device.sm,
+        device=device,
+        metadata=metadata,
+        aoti_files=tuple(layout.aoti_files),
+        total_bytes=sum(zf.size(name) for name in zf.names),
+    )
 
 
 def graph_digest_from_archive(path: str | os.PathLike[str], *, limits: Limits = DEFAULT_LIMITS) -> str:

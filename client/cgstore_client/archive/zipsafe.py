@@ -18,7 +18,15 @@ checks, in this order and before any entry's data is decompressed:
    two entries' data overlap (the overlapping-file bomb) or run into the
    central directory;
 5. optionally (``Limits.verify_entries``, on by default) every entry is
-   streamed once in bounded chunks to check its CRC and its real size.
+   streamed once in bounded chunks to check its CRC and its real size
+   (``Limits.verify_stored_entries`` off: deflated entries only, whose real
+   size only inflating tells; a stored entry's real size is its stored size,
+   checked in 4., and its bytes are CRC-checked whenever a reader reads them
+   whole).
+
+The zip is a path, or any seekable binary file object (the store reads a stored
+archive through ranged reads that way, never spooling the entries it does not
+read).
 
 Reads after that are bounded too: :meth:`SafeZip.read_bytes` and
 :meth:`SafeZip.read_json` refuse a record larger than the caller's cap from
@@ -107,13 +115,16 @@ class Limits:
     max_sniff_members: int = 10_000
     #: Stream every entry once to check CRC and real size (bounded memory, time proportional to size).
     verify_entries: bool = True
+    #: ... stored entries included; off: only deflated ones (a stored entry's size cannot lie).
+    verify_stored_entries: bool = True
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
-            if name != "verify_entries" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            if name not in _SWITCHES and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
 
 
+_SWITCHES = frozenset({"verify_entries", "verify_stored_entries"})
 DEFAULT_LIMITS = Limits()
 
 _READ_CHUNK = 1 * MIB
@@ -317,14 +328,20 @@ class SafeZip:
     but not listed in :attr:`names`.
     """
 
-    def __init__(self, path: str | os.PathLike[str], limits: Limits = DEFAULT_LIMITS) -> None:
-        self.path = os.fspath(path)
+    def __init__(self, path: str | os.PathLike[str] | BinaryIO, limits: Limits = DEFAULT_LIMITS) -> None:
+        """``path``: a file's path, or a seekable binary file object (left open: the caller's)."""
         self.limits = limits
-        self._fh: BinaryIO = open(self.path, "rb")  # noqa: SIM115 - closed by close()/__exit__
+        self._owned = isinstance(path, (str, os.PathLike))
+        if self._owned:
+            self.path = os.fspath(path)
+            self._fh: BinaryIO = open(self.path, "rb")  # noqa: SIM115 - closed by close()/__exit__
+        else:
+            self.path = str(getattr(path, "name", "<stream>"))
+            self._fh = path
         try:
             self._open()
         except BaseException:
-            self._fh.close()
+            self._close_file()
             raise
 
     # -- lifecycle --------------------------------------------------------------------
@@ -338,12 +355,16 @@ class SafeZip:
     def close(self) -> None:
         if hasattr(self, "_zip"):  # absent when opening failed before zipfile parsed the directory
             self._zip.close()
-        self._fh.close()
+        self._close_file()
+
+    def _close_file(self) -> None:
+        if self._owned:
+            self._fh.close()
 
     # -- opening ----------------------------------------------------------------------
 
     def _open(self) -> None:
-        file_size = os.fstat(self._fh.fileno()).st_size
+        file_size = self._fh.seek(0, os.SEEK_END)
         if file_size > self.limits.max_archive_bytes:
             raise ArchiveTooLarge(f"archive is {file_size} bytes (limit {self.limits.max_archive_bytes})")
         bounds = _read_central_directory_bounds(self._fh, file_size)
@@ -368,7 +389,8 @@ class SafeZip:
         self._check_local_headers(infos)
         if self.limits.verify_entries:
             for info in self._infos.values():
-                self._drain(info)
+                if self.limits.verify_stored_entries or info.compress_type != zipfile.ZIP_STORED:
+                    self._drain(info)
 
     def _vet_entries(self, infos: list[zipfile.ZipInfo]) -> dict[str, zipfile.ZipInfo]:
         files: dict[str, zipfile.ZipInfo] = {}

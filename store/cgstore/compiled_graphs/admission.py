@@ -18,7 +18,7 @@ Order (the first failing step answers):
    nesting past ``MAX_FREE_FORM_DEPTH`` or larger than ``MAX_FREE_FORM_BYTES``,
    a string in one that is not valid Unicode);
 4. (the caller checks the blobs are in the repo: ``BLOB_UNKNOWN``);
-5. the archive, read statically from a spooled temp file: structure, limits,
+5. the archive, read statically in place through ranged reads (``inspect_stored``): structure, limits,
    paths, weight- and pickle-freedom (``ARTIFACT_INVALID``), metadata
    (``METADATA_INVALID``), then the measured graph digest (``GRAPH_MISMATCH``),
    the derived input contract (``CONTRACT_MISMATCH``), the device facts
@@ -32,6 +32,7 @@ Order (the first failing step answers):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import tempfile
@@ -54,7 +55,9 @@ from cgstore.core.errors import (
     SmMismatch,
     from_client_error,
 )
-from cgstore_client.archive import DEFAULT_LIMITS, ArchiveError, ArchiveReport, inspect
+from cgstore.storage.ranged import RangedFile, ReadRange
+from cgstore_client.archive import DEFAULT_LIMITS, ArchiveError, ArchiveReport, inspect, inspect_zip
+from cgstore_client.archive.kind import FORMAT_ZIP, sniff_format
 from cgstore_client.binding import discovery_digest, from_checkpoint, is_code_fingerprint, is_release
 from cgstore_client.components import ComponentHeader, ComponentInvalid, header_length, read_header
 from cgstore_client.errors import EnvelopeError, ToolchainError
@@ -68,6 +71,9 @@ SOURCE_CHECKPOINT = "checkpoint"
 COMPONENT_SOURCE_PREFIX = "component:"
 _FAMILY_RE = re.compile(r"\A[a-z0-9][a-z0-9._-]{0,99}\Z", re.ASCII)
 _COMPONENT_NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9._-]{0,127}\Z", re.ASCII)
+#: A stored archive is read in place: deflated entries inflated whole, stored ones where parsed (``inspect_stored``).
+STORED_LIMITS = dataclasses.replace(DEFAULT_LIMITS, verify_stored_entries=False)
+ZIP_MAGIC_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -213,22 +219,38 @@ def component_set_digest(components: list[tuple[str, str, int]]) -> str:
 # -- step 5: the archive -------------------------------------------------------------------
 
 
-def inspect_stored(chunks: Iterator[bytes], size: int, spool_dir: str | None = None) -> ArchiveReport:
-    """Spool the stored artifact to a temp file (always removed) and read it statically.
+def inspect_stored(read_range: ReadRange, size: int, spool_dir: str | None = None) -> ArchiveReport:
+    """Read the stored artifact statically, through ranged reads of only what the checks need.
 
-    Memory stays at one chunk whatever the archive's size; the reader's own
-    size limits apply before a byte is spooled.
+    A zip is read where it lies (``RangedFile``): its end records and central
+    directory, every local header, the first bytes of every entry, the records
+    the reader parses and every deflated entry (inflated with the ratio and size
+    caps). Stored entries the reader does not parse (the compiled shared object,
+    the bulk of a ``.pt2``) are not read whole: their size cannot lie (the local
+    headers are checked against the directory, and no two entries overlap), and
+    their CRC, which proves nothing the blob's verified digest does not, is
+    checked by the worker's loader before anything is loaded. Anything else (a
+    tarball, a retired cache) is spooled to a temp file (always removed) so the
+    refusal names its kind. Memory stays at a few blocks whatever the archive's
+    size; the reader's own size limits apply before a byte is read.
     """
     if size > DEFAULT_LIMITS.max_archive_bytes:
         raise ArtifactInvalid(f"archive of {size} bytes exceeds {DEFAULT_LIMITS.max_archive_bytes}", size=size)
+    try:
+        if sniff_format(b"".join(read_range(0, min(size, ZIP_MAGIC_BYTES)))) == FORMAT_ZIP:
+            return inspect_zip(RangedFile(read_range, size), limits=STORED_LIMITS)
+        return _inspect_spooled(read_range(0, size), spool_dir)
+    except ArchiveError as exc:
+        raise from_client_error(exc) from None
+
+
+def _inspect_spooled(chunks: Iterator[bytes], spool_dir: str | None) -> ArchiveReport:
     fd, path = tempfile.mkstemp(prefix="cgstore-admit-", suffix=".pt2", dir=spool_dir)
     try:
         with os.fdopen(fd, "wb") as spool:
             for chunk in chunks:
                 spool.write(chunk)
         return inspect(path)
-    except ArchiveError as exc:
-        raise from_client_error(exc) from None
     finally:
         os.unlink(path)
 

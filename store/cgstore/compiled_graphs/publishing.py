@@ -98,7 +98,7 @@ def _publish(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str,
         target = find_repo(session, owner, repo)
         sizes = _linked_sizes(session, claims, target, manifest)
     report = admission.inspect_stored(
-        ctx.storage.read(manifest.artifact.digest),
+        lambda start, end: ctx.storage.read(manifest.artifact.digest, start, end),
         sizes[manifest.artifact.digest],
         spool_dir=str(private_dir(ctx.settings.spool_dir)),
     )
