@@ -78,9 +78,13 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 DEFAULT_URL = "http://127.0.0.1:8080"  # where `make serve` listens
 #: Blobs at least this large go through a resumable upload session rather than one PUT.
 CHUNKED_THRESHOLD = 64 << 20
-#: One PATCH of a session. At most the store's S3 part size (16 MiB by default), so
-#: each chunk is staged as one object: no multipart join per chunk, only the final one.
-CHUNK_BYTES = 16 << 20
+#: One PATCH of a session: what a killed publish can lose, and the stride at which a
+#: session's bytes wait for each other. The store stages a chunk as parts of the session's
+#: multipart upload (16 MiB each by default), several in flight while the chunk streams in,
+#: but a chunk is answered only once all its parts are in: 16 MiB chunks sent one part at a
+#: time (~50 MiB/s per session on RGW, bench/README.md "client.py"). A multiple of the
+#: store's part size, so every part is whole.
+CHUNK_BYTES = 64 << 20
 #: Bound on blobs moving at once (uploads in a publish, downloads in a load).
 PARALLEL_TRANSFERS = 4
 MAX_MISSING_BATCH = 1024

@@ -237,7 +237,8 @@ def inspect_stored(read_range: ReadRange, size: int, spool_dir: str | None = Non
     if size > DEFAULT_LIMITS.max_archive_bytes:
         raise ArtifactInvalid(f"archive of {size} bytes exceeds {DEFAULT_LIMITS.max_archive_bytes}", size=size)
     try:
-        if sniff_format(b"".join(read_range(0, min(size, ZIP_MAGIC_BYTES)))) == FORMAT_ZIP:
+        head = b"".join(read_range(0, ZIP_MAGIC_BYTES)) if size >= ZIP_MAGIC_BYTES else b""
+        if sniff_format(head) == FORMAT_ZIP:
             return inspect_zip(RangedFile(read_range, size), limits=STORED_LIMITS)
         return _inspect_spooled(read_range(0, size), spool_dir)
     except ArchiveError as exc:
