@@ -37,12 +37,16 @@ def main() -> int:
         say(event="booted", compiled=booted.compiled, reason=booted.reason)
         last = None
         while not os.path.exists(stop):
-            state = (booted.compiled, booted.loaded.key if booted.loaded else None, booted.reason)
+            serving = booted.state  # one consistent view: target, record, reason, confirmation
+            state = (serving.target is not None, serving.loaded.key if serving.loaded else None, serving.reason)
+            if state != last:  # said before the call: an eager call may wait on an export holding the model
+                say(event="state", compiled=state[0], key=state[1], reason=state[2], confirmation=serving.confirmation)
+                last = state
+            called = time.time()
             with torch.no_grad():
                 booted(*inputs)
-            if state != last:
-                say(event="state", compiled=state[0], key=state[1], reason=state[2])
-                last = state
+            if time.time() - called > 1:
+                say(event="slow-call", seconds=round(time.time() - called, 2), confirmation=booted.confirmation)
             time.sleep(0.01)
     return 0
 
