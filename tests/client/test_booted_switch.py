@@ -8,6 +8,7 @@ as several assignments fails here whatever the machine's speed.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from cgstore_client import Booted, Loaded
@@ -79,3 +80,24 @@ def test_a_state_read_once_is_unchanged_by_a_later_switch():
     handle.switch_to_eager("yanked: bad numerics")
     assert seen.target is compiled_one and seen.reason is None  # a call that read it finishes on it
     assert handle.state.target is None and handle() == "eager"
+
+
+def test_an_eager_call_waiting_for_an_export_goes_compiled_when_the_handle_does():
+    """A background confirmation's export holds the model (eager calls wait for it); a switch to compiled
+    meanwhile serves the waiting call compiled, before the export is done."""
+    from cgstore_client.worker.discovery import model_lock
+
+    handle = Booted(eager, reason="waiting for a mint")
+    results: list[str] = []
+    exporting = model_lock(eager)
+    exporting.acquire()  # the export, on another thread in real life: held throughout this test
+    try:
+        call = threading.Thread(target=lambda: results.append(handle()), daemon=True)
+        call.start()
+        call.join(0.2)
+        assert results == []  # waiting for the export: eager cannot run
+        handle.adopt(Booted(eager, compiled=compiled_one, loaded=loaded("ck1-a"), confirmation="pending"))
+        call.join(30)
+        assert results == ["compiled"]
+    finally:
+        exporting.release()

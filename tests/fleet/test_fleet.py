@@ -59,9 +59,9 @@ FLEET_SLACK_S = 10
 EVENTS_WAIT_S = 5
 #: The takeover fleets' claim TTL: a killed holder's claim lapses this soon (a live one is beaten every third).
 CLAIM_TTL_S = 5
-#: The failing fleet's first backoff (then doubling: 7.5 s in all): long enough to be seen, short enough to
-#: overlap the takeovers' compiles.
-CLAIM_BACKOFF_S = 0.5
+#: The failing fleet's first backoff, then doubling (22.5 s in all, hidden behind the takeovers' compiles): the
+#: fourth (12 s) outlasts any mint child's exit and its worker's next claim, so a worker is told ``backoff``.
+CLAIM_BACKOFF_S = 1.5
 
 
 class Worker:
@@ -153,7 +153,7 @@ class Fleet:
         return answer.json()["records"]
 
     def close(self) -> None:
-        self.stop_file.touch()
+        self.stop_file.touch()  # every worker leaves at once; then each is waited for
         for worker in self.workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(10)
@@ -367,6 +367,7 @@ class Troubled:
         self._kills.join(240)
 
     def close(self) -> None:
+        self.failing.stop_file.touch()  # both fleets leave together
         for fleet in (self.takeover, self.failing):
             fleet.close()
 
@@ -386,7 +387,7 @@ def test_a_mint_child_killed_mid_compile_lapses_and_the_fleet_takes_over(trouble
     fleet = troubled.takeover
     assert troubled.child_killed.wait(240), [w.lines for w in fleet.workers]
     troubled.killed()
-    first, second = sorted(fleet.mint_logs()[:2], key=lambda log: logged_at(log, "compiling claim"))
+    first, second = sorted(fleet.mint_logs(), key=lambda log: logged_at(log, "compiling claim"))[:2]
     assert logged_at(first, "published ") is None and logged_at(first, "the worker is gone") is None, first
     killed = "mint failed: the mint child ended with status -9"  # its worker says so while it waits
     assert any(w.first(lambda line: killed in reason(line)) for w in fleet.workers), [w.lines for w in fleet.workers]

@@ -91,6 +91,8 @@ NAMED_DIFFERENCES = 4
 _MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
 _MODEL_LOCKS_GUARD = threading.Lock()
 _SHARED_LOCK = threading.RLock()  # for a model that cannot be weakly referenced
+#: While an eager call waits for an export to release the model, how often it looks for a compiled target.
+EAGER_RECHECK_S = 0.05
 
 
 def model_lock(model: Any) -> threading.RLock:
@@ -206,13 +208,21 @@ class Booted:
         self._swap(reason=reason)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state = self._state  # one read: a concurrent switch takes effect on the next call
-        if state.target is not None:
-            return state.target(*args, **kwargs)
-        if self.mandatory:  # never the eager model (e.g. after a yank): the caller retries later
-            raise CompiledRequired({self._name(state): state.reason or outcomes.MISS})
-        with model_lock(self.model):  # not while an export has fake tensors in the module
-            return self.model(*args, **kwargs)
+        lock = model_lock(self.model)
+        while True:
+            state = self._state  # one read: a concurrent switch takes effect on the next call
+            if state.target is not None:
+                return state.target(*args, **kwargs)
+            if self.mandatory:  # never the eager model (e.g. after a yank): the caller retries later
+                raise CompiledRequired({self._name(state): state.reason or outcomes.MISS})
+            # Eager runs not while an export has fake tensors in the module. An export can take a minute (a
+            # background confirmation of the record just switched to): a call waiting for it goes compiled as
+            # soon as the handle does, instead of waiting the export out.
+            if lock.acquire(timeout=EAGER_RECHECK_S):
+                try:
+                    return self.model(*args, **kwargs)
+                finally:
+                    lock.release()
 
     def wait_confirmed(self, timeout: float | None = None) -> str:
         """Block until confirmation is no longer pending (or ``timeout`` seconds); returns it."""

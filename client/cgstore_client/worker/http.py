@@ -421,6 +421,8 @@ class Transport:
         deadline = Deadline(self.limits.call_deadline_s + self._upload_allowance(headers), what)
 
         def attempt() -> httpx.Response:
+            if self._http.is_closed:  # a thread still beating or polling for a client closed meanwhile
+                raise Unavailable(f"{what}: the client is closed")
             with deadline.applied():
                 deadline.check()
                 try:
