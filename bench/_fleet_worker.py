@@ -1,8 +1,9 @@
 """One worker of ``bench/fleet.py``: boots tiny GPT-2 by declaration with ``mint="on_miss"``, reports what it serves.
 
 ``python bench/_fleet_worker.py URL REPO FAMILY CACHE STOP_FILE`` with ``CGSTORE_TOKEN`` set. Prints one
-JSON line (with the Unix time) at boot and each time what the handle serves changes, calling it every 10 ms
-until ``STOP_FILE`` exists.
+JSON line (with the Unix time) at boot and each time what the handle serves changes (seen before a call),
+calling it every 10 ms until ``STOP_FILE`` exists; a ``slow-call`` line for a call that took over a second
+(an eager call waiting for an export of the model).
 """
 
 from __future__ import annotations
