@@ -1,8 +1,9 @@
 """One worker of ``bench/fleet.py``: boots tiny GPT-2 by declaration with ``mint="on_miss"``, reports what it serves.
 
 ``python bench/_fleet_worker.py URL REPO FAMILY CACHE STOP_FILE`` with ``CGSTORE_TOKEN`` set. Prints one
-JSON line (with the Unix time) at boot and each time what the handle serves changes, calling it every 10 ms
-until ``STOP_FILE`` exists.
+JSON line (with the Unix time) at boot and each time what the handle serves changes (seen before a call),
+calling it every 10 ms until ``STOP_FILE`` exists; a ``slow-call`` line for a call that took over a second
+(an eager call waiting for an export of the model).
 """
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ def main() -> int:
         say(event="booted", compiled=booted.compiled, reason=booted.reason)
         last = None
         while not os.path.exists(stop):
-            state = (booted.compiled, booted.loaded.key if booted.loaded else None, booted.reason)
+            serving = booted.state  # one consistent view: target, record, reason, confirmation
+            state = (serving.target is not None, serving.loaded.key if serving.loaded else None, serving.reason)
+            if state != last:  # said before the call: an eager call may wait on an export holding the model
+                say(event="state", compiled=state[0], key=state[1], reason=state[2], confirmation=serving.confirmation)
+                last = state
+            called = time.time()
             with torch.no_grad():
                 booted(*inputs)
-            if state != last:
-                say(event="state", compiled=state[0], key=state[1], reason=state[2])
-                last = state
+            if time.time() - called > 1:
+                say(event="slow-call", seconds=round(time.time() - called, 2), confirmation=booted.confirmation)
             time.sleep(0.01)
     return 0
 

@@ -17,7 +17,9 @@ workers of one node do. Each mint child's log (``mints/<claim>.log``) starts wit
    mint itself, measured in the same run.
 2. **Yank**: an admin yanks the record while every worker serves it; ``yank_to_eager_p99_s`` is
    each worker's switch to eager after the yank's answer (p99 over workers; the long-poll waits
-   10 s, so the bound is ``wait + 1``).
+   10 s, so the bound is ``wait + 1``). A worker reports what its handle serves before each call:
+   an eager call may then wait for a background confirmation still exporting the model (reported
+   as a ``slow-call`` line), which is the confirmation's cost, not the yank's.
 3. **Publish**: the same record is published again (its blobs from the shared cache);
    ``upgrade_after_publish_p99_s`` is each worker's switch back to compiled after the publish's answer.
 4. **Takeover**: N workers boot a second new declaration; the holder's mint child is SIGKILLed

@@ -1,8 +1,11 @@
 """A worker process of the fleet tests: boots the tiny model by declaration and reports what it serves.
 
 ``python -m tests.fleet.worker --url U --repo R --family F --cache DIR --stop FILE [--mandatory]
-[--events-wait S] [--seed N]`` with ``CGSTORE_TOKEN`` in the environment. It boots with
-``mint="on_miss"`` (publishing to ``R``), then calls the handle every 20 ms until ``FILE`` exists,
+[--events-wait S] [--seed N] [--boot-after FILE2] [--confirm MODE]`` with ``CGSTORE_TOKEN`` in the environment. It boots with
+``mint="on_miss"`` (publishing to ``R``; with ``--boot-after``, only once ``FILE2`` exists, torch
+imported and its model built before; ``--confirm`` as ``boot``'s, default ``never``: each background
+confirmation is an export, a core-second or more per upgrade per worker), then calls the handle every
+20 ms until ``FILE`` exists,
 printing one JSON line per change of what it serves (``compiled``, ``key``, ``reason``), each with
 the Unix time it saw it and whether the compiled outputs equal the eager model's; ``raised`` lines
 when the handle (mandatory) raises :class:`CompiledRequired`.
@@ -34,11 +37,17 @@ def main() -> int:
     parser.add_argument("--mandatory", action="store_true")
     parser.add_argument("--events-wait", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--boot-after")
+    parser.add_argument("--confirm", default="never", choices=["never", "background", "before"])
     args = parser.parse_args()
     model = tiny_model(seed=args.seed).eval()  # its own weights: what is served is bound to them
     inputs = tiny_inputs(2)
     with torch.no_grad():  # computed before boot: the test never calls the model beside the handle's exports
         expected = model(*inputs)
+    while args.boot_after and not os.path.exists(args.boot_after):
+        if os.path.exists(args.stop):
+            return 0
+        time.sleep(0.05)
     with Client(args.url, cache_dir=args.cache, events_wait_s=args.events_wait) as client:
         try:
             booted = client.boot(
@@ -50,6 +59,7 @@ def main() -> int:
                 mint="on_miss",
                 publish_to=args.repo,
                 mandatory=args.mandatory,
+                confirm=args.confirm,
             )
         except CompiledRequired as err:
             say(event="raised", at="boot", retry_after=err.retry_after, reason=str(err))

@@ -172,6 +172,8 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        """Close the connections. The events watcher's long-poll is cut and its thread has ended (bounded
+        wait) when this returns: a closed client sends nothing more."""
         self.closed = True
         if self._watcher is not None:
             self._watcher.stop()

@@ -33,7 +33,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import blake3
@@ -91,6 +91,8 @@ NAMED_DIFFERENCES = 4
 _MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
 _MODEL_LOCKS_GUARD = threading.Lock()
 _SHARED_LOCK = threading.RLock()  # for a model that cannot be weakly referenced
+#: While an eager call waits for an export to release the model, how often it looks for a compiled target.
+EAGER_RECHECK_S = 0.05
 
 
 def model_lock(model: Any) -> threading.RLock:
@@ -109,6 +111,18 @@ def model_lock(model: Any) -> threading.RLock:
             return _SHARED_LOCK
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What a handle serves at one moment, replaced whole: a reader never sees a new target with an old
+    confirmation or reason. ``target``: the compiled callable, None while calls go eager."""
+
+    target: Callable[..., Any] | None
+    loaded: Loaded | None
+    reason: str | None
+    confirmation: str
+    served_from: str = "store"
+
+
 class Booted:
     """What :func:`boot` serves: callable like the model, compiled when it can be.
 
@@ -121,11 +135,12 @@ class Booted:
     example inputs, ``confirm="never"``, or an export that failed in the background).
 
     A handle can change target while it serves: a record published for its
-    declaration switches it to compiled, a yank or a drift to eager. The switch
-    is one assignment read once per call, so it is atomic between calls and a
-    call in flight finishes on the target it started with. A ``mandatory``
-    handle never runs eager: without a compiled target a call raises
-    :class:`CompiledRequired`.
+    declaration switches it to compiled, a yank or a drift to eager. All of the
+    above is one immutable :class:`Serving` (``state``), replaced by a single
+    assignment and read once per call: a switch of target, confirmation and
+    reason is atomic, and a call in flight finishes on the target it started
+    with. A ``mandatory`` handle never runs eager: without a compiled target a
+    call raises :class:`CompiledRequired`.
     """
 
     def __init__(
@@ -139,16 +154,13 @@ class Booted:
         mandatory: bool = False,
     ) -> None:
         self.model = model
-        self.loaded = loaded
-        self.reason = reason
-        self.confirmation = confirmation
-        self.served_from = "store"
         self.mandatory = mandatory
         #: The declaration this handle was booted from (what a later publish or yank is matched against).
         self.declared: Declared | None = None
         #: What moves this handle after boot (``worker.fleet.Follower``), kept alive by it; None: nothing does.
         self.follower: object | None = None
-        self._compiled = compiled
+        self._swap_lock = threading.Lock()  # writers only: two switches never interleave their read and write
+        self._state = Serving(compiled, loaded, reason, confirmation)
         self._settled = threading.Event()
         self._ready = threading.Event()  # set while compiled: what wait_compiled waits on
         if confirmation != PENDING:
@@ -157,17 +169,60 @@ class Booted:
             self._ready.set()
 
     @property
+    def state(self) -> Serving:
+        """What the handle serves now, as one consistent value."""
+        return self._state
+
+    def _swap(self, **changes: Any) -> Serving:
+        """Replace the state in one assignment; the events follow it (waiters wake on the new state)."""
+        with self._swap_lock:
+            self._state = state = replace(self._state, **changes)
+        if state.target is not None:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        return state
+
+    @property
     def compiled(self) -> bool:
-        return self._compiled is not None
+        return self._state.target is not None
+
+    @property
+    def loaded(self) -> Loaded | None:
+        return self._state.loaded
+
+    @property
+    def confirmation(self) -> str:
+        return self._state.confirmation
+
+    @property
+    def served_from(self) -> str:
+        return self._state.served_from
+
+    @property
+    def reason(self) -> str | None:
+        return self._state.reason
+
+    @reason.setter
+    def reason(self, reason: str | None) -> None:
+        self._swap(reason=reason)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        target = self._compiled  # one read: a concurrent switch takes effect on the next call
-        if target is not None:
-            return target(*args, **kwargs)
-        if self.mandatory:  # never the eager model (e.g. after a yank): the caller retries later
-            raise CompiledRequired({self._name(): self.reason or outcomes.MISS})
-        with model_lock(self.model):  # not while an export has fake tensors in the module
-            return self.model(*args, **kwargs)
+        lock = model_lock(self.model)
+        while True:
+            state = self._state  # one read: a concurrent switch takes effect on the next call
+            if state.target is not None:
+                return state.target(*args, **kwargs)
+            if self.mandatory:  # never the eager model (e.g. after a yank): the caller retries later
+                raise CompiledRequired({self._name(state): state.reason or outcomes.MISS})
+            # Eager runs not while an export has fake tensors in the module. An export can take a minute (a
+            # background confirmation of the record just switched to): a call waiting for it goes compiled as
+            # soon as the handle does, instead of waiting the export out.
+            if lock.acquire(timeout=EAGER_RECHECK_S):
+                try:
+                    return self.model(*args, **kwargs)
+                finally:
+                    lock.release()
 
     def wait_confirmed(self, timeout: float | None = None) -> str:
         """Block until confirmation is no longer pending (or ``timeout`` seconds); returns it."""
@@ -179,42 +234,48 @@ class Booted:
         self._ready.wait(timeout)
         return self.compiled
 
-    def switch_to_eager(self, reason: str) -> None:
-        """Every later call goes eager (or raises, when mandatory), saying why."""
-        self.reason = reason
-        self._compiled = None
-        self._ready.clear()
+    def switch_to_eager(self, reason: str, *, confirmation: str | None = None) -> None:
+        """Every later call goes eager (or raises, when mandatory), saying why (and, a drift, with its
+        confirmation: target, reason and confirmation change together)."""
+        changes: dict[str, Any] = {"target": None, "reason": reason}
+        if confirmation is not None:
+            changes["confirmation"] = confirmation
+        self._swap(**changes)
 
     _go_eager = switch_to_eager
 
     def adopt(self, fresh: Booted) -> None:
-        """Serve what ``fresh`` (a later boot of the same declaration) serves, in place; the target switches last."""
-        self.loaded = fresh.loaded
-        self.served_from = fresh.served_from
-        self.confirmation = fresh.confirmation
-        self.reason = fresh.reason
-        if fresh.confirmation == PENDING:
+        """Serve what ``fresh`` (a later boot of the same declaration) serves, in place, in one switch."""
+        state = fresh.state
+        if state.confirmation == PENDING:
             self._settled.clear()
-        else:
+        self._swap(**{name: getattr(state, name) for name in Serving.__dataclass_fields__})
+        if state.confirmation != PENDING:
             self._settled.set()
-        self._compiled = fresh._compiled
-        if fresh._compiled is not None:
-            self._ready.set()
+
+    def _pending(self) -> None:
+        self._settled.clear()
+        self._swap(confirmation=PENDING)
 
     def _settle(self, confirmation: str) -> None:
-        self.confirmation = confirmation
+        self._swap(confirmation=confirmation)
         self._settled.set()
 
-    def _name(self) -> str:
-        if self.loaded is not None:
-            return self.loaded.key
+    def _served_from_cache(self, reason: str | None) -> None:
+        self._swap(served_from="cache", reason=reason)
+
+    def _name(self, state: Serving | None = None) -> str:
+        loaded = (state or self._state).loaded
+        if loaded is not None:
+            return loaded.key
         return self.declared.family if self.declared is not None else "model"
 
     def __repr__(self) -> str:
-        key = self.loaded.key if self.loaded else None
+        state = self._state
+        key = state.loaded.key if state.loaded else None
         return (
-            f"Booted(compiled={self.compiled}, key={key!r}, confirmation={self.confirmation!r}, "
-            f"served_from={self.served_from!r}, reason={self.reason!r})"
+            f"Booted(compiled={state.target is not None}, key={key!r}, confirmation={state.confirmation!r}, "
+            f"served_from={state.served_from!r}, reason={state.reason!r})"
         )
 
 
@@ -464,11 +525,12 @@ def _boot(
         client, model, request, discovered.answer, example_inputs, checkpoint, device, confirm_each, known_graph
     )
     if discovered.from_cache is not None:
-        booted.served_from = "cache"
         if booted.compiled:  # compiled all the same: say the store was not asked
-            booted.reason = f"{SERVED_FROM_CACHE} ({discovered.from_cache})"
+            booted._served_from_cache(f"{SERVED_FROM_CACHE} ({discovered.from_cache})")
         else:  # a miss answered by the cache is an old answer: say whose
-            booted.reason = f"{booted.reason} (the answer cached for this declaration; {discovered.from_cache})"
+            booted._served_from_cache(
+                f"{booted.reason} (the answer cached for this declaration; {discovered.from_cache})"
+            )
     return booted
 
 
@@ -591,8 +653,7 @@ def _tensor_differences(table: list[Mapping[str, Any]], model) -> str:
 
 
 def _start_confirmation(client: Client, booted: Booted, model, example_inputs, *, background: bool) -> None:
-    booted.confirmation = PENDING
-    booted._settled.clear()
+    booted._pending()
     confirm = lambda: _confirm(client, booted, model, example_inputs)  # noqa: E731
     if background:
         threading.Thread(target=confirm, name="cgstore-confirm", daemon=True).start()
@@ -614,10 +675,11 @@ def _confirm(client: Client, booted: Booted, model, example_inputs) -> None:
         booted._settle(CONFIRMED)
         return
     reason = f"{DRIFT}: the live model's graph is {measured}, the record's {recorded}"
-    booted._go_eager(reason)  # at once; the report below may wait on retries
+    # Target, reason and confirmation at once; waiters on the confirmation wake after the report (it may retry).
+    booted.switch_to_eager(reason, confirmation=DRIFT)
     log.warning("cgstore: %s from %s serves eager from now on: %s", loaded.key, loaded.repo, reason)
     _report(client, loaded, measured, reason)
-    booted._settle(DRIFT)
+    booted._settled.set()
 
 
 def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str:

@@ -49,7 +49,7 @@ from cgstore_client.errors import CgstoreError, CompiledRequired, ConfigError, N
 from cgstore_client.wire.fleet import MAX_EVENTS_WAIT_S, EventsAnswer, RecordEvent
 from cgstore_client.worker import claims, discovery, outcomes
 from cgstore_client.worker.discovery import Booted, Declared
-from cgstore_client.worker.http import parse_answer, split_repo
+from cgstore_client.worker.http import Transport, parse_answer, split_repo
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from cgstore_client.wire.fleet import ClaimAnswer, ClaimGranted
@@ -70,6 +70,8 @@ BACKOFF_BASE_S, BACKOFF_CAP_S = 0.5, 30.0
 FIRST_CURSOR_WAIT_S = 5.0
 #: Seconds the API call deadline must exceed a long-poll's ``wait`` by.
 POLL_MARGIN_S = 5.0
+#: How long ``Client.close()`` waits for the watcher's thread to end (its long-poll is cut at once).
+STOP_JOIN_S = 1.0
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -104,6 +106,7 @@ class Watcher:
         self.live = threading.Event()
         self._tried = threading.Event()  # the first ask for a cursor has been answered, either way
         self._thread: threading.Thread | None = None
+        self._transport: Transport | None = None
         self._family: str | None = None
         self._reset = False
 
@@ -114,21 +117,36 @@ class Watcher:
             self._followers.add(follower)
             if self._family is not None and families != {self._family}:
                 self._reset = True  # a second family: follow the whole feed from now on (one connection)
-            if self._thread is None:
+            if self._thread is None and not self._stop.is_set():
                 self._family = follower.declared.family
+                # Its own connection: closing it cuts the long-poll in flight, whatever else the client sends.
+                client = self._client
+                self._transport = Transport(client.url, client.token, retry=client.retry, limits=client.limits)
                 self._thread = threading.Thread(target=self._run, name="cgstore-events", daemon=True)
                 self._thread.start()
         self._tried.wait(FIRST_CURSOR_WAIT_S)  # a store without the feed costs one refused request, not the wait
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = STOP_JOIN_S) -> None:
+        """End the feed now: the long-poll in flight is cut (its own connection closed), followers waiting
+        on it stop, and the thread is joined for up to ``join_s`` seconds. Nothing is sent after this."""
         self._stop.set()
         self.live.clear()
+        self._tried.set()  # a handle booting now does not wait for a cursor that will never come
+        with self._lock:
+            transport, thread = self._transport, self._thread
+            followers = list(self._followers)
+        if transport is not None:
+            transport.close()
+        for follower in followers:
+            follower.stop()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(join_s)
 
     def _poll(self, since: str, wait: float) -> EventsAnswer:
         params: dict[str, Any] = {"since": since, "wait": int(wait)}
         if self._family is not None:
             params["family"] = self._family
-        response = self._client.transport.request("GET", "/v1/compiled-graphs:events", params=params, retry=False)
+        response = self._transport.request("GET", "/v1/compiled-graphs:events", params=params, retry=False)
         return parse_answer(EventsAnswer, response.content)
 
     def _run(self) -> None:
@@ -255,6 +273,10 @@ class Follower:
     def wake(self) -> None:
         self._poke.set()
         self.start()
+
+    def stop(self) -> None:
+        """The client closed: a thread waiting to move the handle looks once more and ends."""
+        self._poke.set()
 
     # the follower's own thread ------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import random
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -245,18 +246,37 @@ class _DeadlineStream(httpcore.NetworkStream):
 
 
 class _DeadlineBackend(httpcore.NetworkBackend):
-    """httpcore's socket backend, each operation held to the calling thread's :class:`Deadline`."""
+    """httpcore's socket backend, each operation held to the calling thread's :class:`Deadline`; it keeps
+    its open streams so :meth:`abort` can end a call blocked on another thread (a long-poll) at once."""
 
     def __init__(self) -> None:
         self._backend = httpcore.SyncBackend()
+        self._open: weakref.WeakSet[_DeadlineStream] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def _kept(self, stream: httpcore.NetworkStream) -> _DeadlineStream:
+        kept = _DeadlineStream(stream)
+        with self._lock:
+            self._open.add(kept)
+        return kept
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
         timeout = _within_deadline(timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
+        return self._kept(self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
 
     def connect_unix_socket(self, path, timeout=None, socket_options=None):
         timeout = _within_deadline(timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(self._backend.connect_unix_socket(path, timeout, socket_options))
+        return self._kept(self._backend.connect_unix_socket(path, timeout, socket_options))
+
+    def abort(self) -> None:
+        """Shut every open socket down: a read blocked on another thread returns now (closing the file
+        descriptor alone would leave it blocked until the server answers)."""
+        with self._lock:
+            streams = list(self._open)
+        for stream in streams:
+            sock = stream.get_extra_info("socket")
+            with contextlib.suppress(OSError, AttributeError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)
@@ -299,12 +319,13 @@ class _DeadlineTransport(httpx.BaseTransport):
 
     def __init__(self) -> None:
         defaults = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0)  # httpx's
+        self._backend = _DeadlineBackend()
         self._pool = httpcore.ConnectionPool(
             ssl_context=httpx.create_ssl_context(),
             max_connections=defaults.max_connections,
             max_keepalive_connections=defaults.max_keepalive_connections,
             keepalive_expiry=defaults.keepalive_expiry,
-            network_backend=_DeadlineBackend(),
+            network_backend=self._backend,
         )
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -327,6 +348,7 @@ class _DeadlineTransport(httpx.BaseTransport):
         )
 
     def close(self) -> None:
+        self._backend.abort()  # calls in flight on other threads end now, not when their answers come
         self._pool.close()
 
 
@@ -360,6 +382,8 @@ class Transport:
         )
 
     def close(self) -> None:
+        """Close the connections, ending any call in flight on another thread (it raises
+        :class:`Unavailable`); a request after this one is refused before anything is sent."""
         self._http.close()
 
     def url_of(self, path: str) -> str:
@@ -397,6 +421,8 @@ class Transport:
         deadline = Deadline(self.limits.call_deadline_s + self._upload_allowance(headers), what)
 
         def attempt() -> httpx.Response:
+            if self._http.is_closed:  # a thread still beating or polling for a client closed meanwhile
+                raise Unavailable(f"{what}: the client is closed")
             with deadline.applied():
                 deadline.check()
                 try:
