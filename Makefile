@@ -5,6 +5,7 @@
 #   make docs    regenerate the reference tables in docs/
 
 PYTHON ?= python3
+TEST_WORKERS ?= 2
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -48,9 +49,11 @@ serve: install
 # The test session itself starts PostgreSQL if it is down, creates and drops its own
 # database, and starts a single-host Ceph cluster whose RADOS Gateway (S3) listens on a
 # free loopback port (tests/support/services.py).
+# Two workers (TEST_WORKERS; 0 runs in this process), each a whole test file at a time: a file's
+# module fixtures stay in one process, and each worker starts its own services.
 # Long fuzz and soak runs are marked and left to their own targets (CI runs `make test`).
 test: install-dev chromium ceph lint
-	$(PY) -m pytest -m "not fuzz and not soak" --durations=20 --junitxml=.test-results/junit.xml $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not fuzz and not soak" -n $(TEST_WORKERS) --dist loadfile --durations=20 --junitxml=.test-results/junit.xml $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml: pyflakes, isort, bugbear, pyupgrade, and the formatter's check.
 lint: install-dev
