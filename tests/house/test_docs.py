@@ -116,5 +116,6 @@ def test_the_readme_says_how_to_get_the_worker_side_and_what_make_test_needs():
     readme = (REPO_ROOT / "README.md").read_text()
     assert "make install-worker" in readme
     tests = readme[readme.index("## Tests") : readme.index("## Walk-through")]
-    for needed in ("PostgreSQL", "root", "torch==2.13.0", "17 minutes"):
+    for needed in ("PostgreSQL", "root", "torch==2.13.0"):
         assert needed in tests, needed
+    assert re.search(r"about \d+ minutes", tests), "the README says how long make test takes"
