@@ -4,8 +4,11 @@ Configuration comes from the arguments or the environment: ``CGSTORE_URL``,
 ``CGSTORE_TOKEN`` (or ``CGSTORE_TOKEN_FILE``), ``CGSTORE_CACHE_DIR`` (default
 ``~/.cache/cgstore``), ``CGSTORE_OFFLINE``, ``CGSTORE_DOWNLOAD_CONNECTIONS`` /
 ``CGSTORE_DOWNLOAD_PART_BYTES`` (parallel ranged downloads, ``download.py``), the bounds of
-``limits.py`` (deadlines, throughput, sizes) and ``CGSTORE_TRUSTED_JWKS`` (the keys receipts
-must be signed with, ``receipts.TrustPin``). In offline mode no socket is ever
+``limits.py`` (deadlines, throughput, sizes), ``CGSTORE_TRUSTED_JWKS`` (the keys receipts
+must be signed with, ``receipts.TrustPin``) and ``CGSTORE_WRITE_URL`` with ``CGSTORE_WRITE_TOKEN``
+(or ``CGSTORE_WRITE_TOKEN_FILE``): where writes go when reads go to a regional mirror, which
+refuses them (uploads, publishes, claims and their beats, drift reports go to the origin store;
+everything else stays on ``CGSTORE_URL``). In offline mode no socket is ever
 opened: the transport is created on first network use, and offline it never is.
 
 Where a request goes is the client's choice, never an answer's: a record is read at
@@ -93,14 +96,15 @@ DERIVED_COMPONENT = "derived-constants"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
 
-def _token_from_env() -> str | None:
-    if token := os.environ.get("CGSTORE_TOKEN"):
+def _token_from_env(variable: str = "CGSTORE_TOKEN") -> str | None:
+    """The token of ``variable``, else the contents of the file ``<variable>_FILE`` names, else None."""
+    if token := os.environ.get(variable):
         return token.strip()
-    if path := os.environ.get("CGSTORE_TOKEN_FILE"):
+    if path := os.environ.get(f"{variable}_FILE"):
         try:
             return Path(path).read_text().strip()
         except OSError as err:
-            raise ConfigError(f"CGSTORE_TOKEN_FILE {path!r} is unreadable: {err}") from err
+            raise ConfigError(f"{variable}_FILE {path!r} is unreadable: {err}") from err
     return None
 
 
@@ -135,14 +139,25 @@ class Client:
         limits: Limits | None = None,
         trusted_jwks: object = None,
         events_wait_s: float = MAX_EVENTS_WAIT_S,
+        write_url: str | None = None,
+        write_token: str | None = None,
     ) -> None:
         """``limits``: deadlines, throughput and size bounds (default: ``Limits.from_env()``).
         ``trusted_jwks``: pin the keys receipts may be signed with (``receipts.TrustPin.parse``: a JWKS,
         a JWKS file's path, or RFC 7638 thumbprints; default ``CGSTORE_TRUSTED_JWKS``, else the store's JWKS).
         ``events_wait_s``: how long one long-poll of the events feed waits (≤ 30; a yank reaches a handle
-        within it and a second)."""
+        within it and a second).
+        ``write_url``, ``write_token``: the store that takes this client's writes (default
+        ``CGSTORE_WRITE_URL``, ``CGSTORE_WRITE_TOKEN``/``_FILE``; unset: ``url`` and ``token``). A worker
+        reading through a regional mirror claims and publishes at the mirror's upstream, so one mint
+        serves every region; each token only ever goes to its own store's origin."""
         self.url = (url or os.environ.get("CGSTORE_URL") or DEFAULT_URL).rstrip("/")
         self.token = token if token is not None else _token_from_env()
+        write_url = write_url or os.environ.get("CGSTORE_WRITE_URL", "").strip() or None
+        self.write_url = write_url.rstrip("/") if write_url else self.url
+        if write_token is None:
+            write_token = _token_from_env("CGSTORE_WRITE_TOKEN") if write_url else self.token
+        self.write_token = write_token
         self.offline = offline if offline is not None else os.environ.get("CGSTORE_OFFLINE", "").lower() in _TRUE
         self.cache = Cache(cache_dir)
         self.cache.ensure()
@@ -159,6 +174,7 @@ class Client:
         slots = Slots(connections, min(BUFFER_BYTES, part_bytes))
         self.downloads = Plan(slots, part_bytes, self.retry, self.cache, self.limits)
         self._transport: Transport | None = None
+        self._writer: Transport | None = None
         self._jwks: dict | None = None
         self.events_wait_s = events_wait_s
         self.closed = False
@@ -177,8 +193,9 @@ class Client:
         self.closed = True
         if self._watcher is not None:
             self._watcher.stop()
-        if self._transport is not None:
-            self._transport.close()
+        for transport in (self._transport, self._writer):
+            if transport is not None:
+                transport.close()
 
     @property
     def watcher(self) -> Watcher:
@@ -198,6 +215,18 @@ class Client:
         if self._transport is None:
             self._transport = Transport(self.url, self.token, retry=self.retry, limits=self.limits)
         return self._transport
+
+    @property
+    def writer(self) -> Transport:
+        """The transport of writes (uploads, publishes, claims, reports): ``transport`` itself unless
+        ``write_url`` names another store."""
+        if self.write_url == self.url and self.write_token == self.token:
+            return self.transport
+        if self.offline:
+            raise Offline("offline mode: the store is not contacted")
+        if self._writer is None:
+            self._writer = Transport(self.write_url, self.write_token, retry=self.retry, limits=self.limits)
+        return self._writer
 
     # --- download ----------------------------------------------------------------------
 
@@ -242,7 +271,7 @@ class Client:
         missing: list[str] = []
         for i in range(0, len(wanted), MAX_MISSING_BATCH):
             batch = wanted[i : i + MAX_MISSING_BATCH]
-            answer = self.transport.request("POST", f"/v1/repos/{owner}/{name}/blobs:missing", json={"digests": batch})
+            answer = self.writer.request("POST", f"/v1/repos/{owner}/{name}/blobs:missing", json={"digests": batch})
             missing += answer.json()["missing"]
         return missing
 
@@ -265,7 +294,7 @@ class Client:
             digest, size = hash_file(path)
         path = str(path)
         if size < self.chunked_threshold:
-            self.transport.request(
+            self.writer.request(
                 "PUT",
                 f"/v1/repos/{owner}/{name}/blobs/{digest}",
                 headers={"Content-Length": str(size), "Content-Type": "application/octet-stream"},
@@ -276,7 +305,7 @@ class Client:
         return digest
 
     def _upload_session(self, owner: str, name: str, path: str, digest: str, size: int) -> None:
-        opened = self.transport.request("POST", f"/v1/repos/{owner}/{name}/uploads")
+        opened = self.writer.request("POST", f"/v1/repos/{owner}/{name}/uploads")
         location = opened.headers["Location"]
         offset, failures = 0, 0
         while offset < size:
@@ -297,7 +326,7 @@ class Client:
         self._commit_session(owner, name, location, digest)
 
     def _send_chunk(self, location: str, path: str, start: int, end: int) -> int:
-        answer = self.transport.request(
+        answer = self.writer.request(
             "PATCH",
             location,
             headers={
@@ -311,11 +340,11 @@ class Client:
         return int(answer.headers["Upload-Offset"])
 
     def _session_offset(self, location: str) -> int:
-        return int(self.transport.request("GET", location).headers["Upload-Offset"])
+        return int(self.writer.request("GET", location).headers["Upload-Offset"])
 
     def _commit_session(self, owner: str, name: str, location: str, digest: str) -> None:
         try:
-            self.transport.request("PUT", location, params={"digest": digest}, headers={"Content-Length": "0"})
+            self.writer.request("PUT", location, params={"digest": digest}, headers={"Content-Length": "0"})
         except NotFound:
             # A commit whose answer was lost consumed the session; the blob is there if it landed.
             if not self.has_blob(f"{owner}/{name}", digest):
@@ -324,7 +353,7 @@ class Client:
     def has_blob(self, repo: str, digest: str) -> bool:
         owner, name = split_repo(repo)
         try:
-            self.transport.request("HEAD", f"/v1/repos/{owner}/{name}/blobs/{digest}")
+            self.writer.request("HEAD", f"/v1/repos/{owner}/{name}/blobs/{digest}")
         except NotFound:
             return False
         return True
@@ -334,7 +363,7 @@ class Client:
     def preflight(self, repo: str, min_ttl_s: int = 300) -> None:
         """Raise (``Unauthorized``/``Denied``) unless this token could publish to ``repo`` now and for ``min_ttl_s``."""
         owner, name = split_repo(repo)
-        self.transport.request("POST", f"/v1/repos/{owner}/{name}/preflight", params={"min_ttl_s": min_ttl_s})
+        self.writer.request("POST", f"/v1/repos/{owner}/{name}/preflight", params={"min_ttl_s": min_ttl_s})
 
     # --- boot --------------------------------------------------------------------------
 
@@ -637,7 +666,7 @@ class Client:
         body = Manifest.model_validate(manifest).model_dump(mode="json", exclude_none=True)
         answer = parse_answer(
             PublishAnswer,
-            self.transport.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}", json=body).content,
+            self.writer.request("PUT", f"/v1/repos/{owner}/{name}/compiled-graphs/{key}", json=body).content,
         )
         return Published(answer.key, answer.status, answer.receipt)
 

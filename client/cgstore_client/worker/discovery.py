@@ -66,6 +66,7 @@ class Client(Protocol):
     the client (whose ``boot`` and ``discover`` call this module) and this module never form a circle."""
 
     transport: Transport
+    writer: Transport
     cache: Cache
     offline: bool
 
@@ -714,6 +715,6 @@ def _report(client: Client, loaded: Loaded, measured: str, reason: str) -> None:
     """Tell the store (best effort: a report that fails changes nothing for serving)."""
     body = DriftReport(measured_graph=measured, reason=reason[:MAX_REASON_CHARS]).model_dump(mode="json")
     try:
-        client.transport.request("POST", record_path(loaded.repo, loaded.key) + ":report", json=body)
+        client.writer.request("POST", record_path(loaded.repo, loaded.key) + ":report", json=body)
     except Exception as err:  # offline, store down, client closed, refused: the drift is logged already
         log.info("cgstore: drift report for %s not delivered: %s", loaded.key, err)

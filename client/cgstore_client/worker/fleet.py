@@ -348,7 +348,7 @@ class Follower:
     def claim_step(self, booted: Booted) -> float | None:
         """Claim the declaration and act on the answer; the seconds until it is worth asking again."""
         try:
-            answer = claims.claim(self._client.transport, self.repo, self.declared.request)
+            answer = claims.claim(self._client.writer, self.repo, self.declared.request)
         except Unavailable as err:
             self._failures += 1
             pause = jittered(self._failures)
@@ -402,14 +402,14 @@ class Follower:
         try:
             work.mkdir(mode=0o700, parents=True, exist_ok=False)
             # The claim is beaten from the grant on: an export can outlast a short TTL before the child beats.
-            with claims.beating(self._client.transport, self.repo, granted.claim, granted.heartbeat_s):
+            with claims.beating(self._client.writer, self.repo, granted.claim, granted.heartbeat_s):
                 graph = export_program(self.declared, self._dynamic_shapes, work / "program.pt2")
-            claims.heartbeat(self._client.transport, self.repo, granted.claim)  # a fresh TTL for the child's start
+            claims.heartbeat(self._client.writer, self.repo, granted.claim)  # a fresh TTL for the child's start
         except Exception as err:
             reason = claims.first_line(f"the live model did not export: {type(err).__name__}: {err}")
             booted.reason = f"mint failed: {reason}"
             with contextlib.suppress(CgstoreError):
-                claims.release_failed(self._client.transport, self.repo, granted.claim, reason)
+                claims.release_failed(self._client.writer, self.repo, granted.claim, reason)
             shutil.rmtree(work, ignore_errors=True)
             return
         self.declared = replace(self.declared, graph=graph)
@@ -424,7 +424,7 @@ class Follower:
     def _reap(self, child: subprocess.Popen, job: dict[str, Any]) -> None:
         # The worker beats its child's claim too, for as long as the child lives: a child starting slowly on a
         # loaded machine must not lose the claim before its own first beat, and a dead child stops the beats.
-        with claims.beating(self._client.transport, job["repo"], job["claim"], job["heartbeat_s"]):
+        with claims.beating(self._client.writer, job["repo"], job["claim"], job["heartbeat_s"]):
             child.wait()
         self._outcome = _outcome(child, job)
         self.wake()
@@ -433,6 +433,7 @@ class Follower:
         request = self.declared.request
         job = {
             "url": self._client.url,
+            "write_url": self._client.write_url,
             "repo": self.repo,
             "claim": granted.claim,
             "heartbeat_s": granted.heartbeat_s,
@@ -495,9 +496,11 @@ def _spawn(client: Any, job: dict[str, Any], log_path: Path) -> subprocess.Popen
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parents[2])  # where cgstore_client is importable from
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    if client.token:
-        env["CGSTORE_TOKEN"] = client.token
-    env.pop("CGSTORE_TOKEN_FILE", None)
+    for variable, token in (("CGSTORE_TOKEN", client.token), ("CGSTORE_WRITE_TOKEN", client.write_token)):
+        env.pop(f"{variable}_FILE", None)
+        env.pop(variable, None)
+        if token:
+            env[variable] = token
     job_path = Path(job["work"]) / "job.json"
     with open(log_path, "ab") as out:
         return subprocess.Popen(

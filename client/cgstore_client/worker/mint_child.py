@@ -71,7 +71,7 @@ def _beat(client: Client, job: dict[str, Any], parent: int, done: threading.Even
         if time.monotonic() >= next_beat:
             next_beat = time.monotonic() + job["heartbeat_s"]
             try:
-                answer = claims.heartbeat(client.transport, job["repo"], job["claim"])
+                answer = claims.heartbeat(client.writer, job["repo"], job["claim"])
                 _log(f"beat: expires {answer.expires_at.isoformat()}")
             except CgstoreError as err:  # retried next time; a lost claim only costs a duplicate mint
                 _log(f"heartbeat failed: {err}")
@@ -110,7 +110,7 @@ def run(job: dict[str, Any]) -> int:
     parent = int(job.get("parent") or os.getppid())
     _log(f"compiling claim {job['claim']} of {job['family']} in {job['repo']} (pid {os.getpid()})")
     done = threading.Event()
-    with Client(job["url"], cache_dir=job["cache_dir"]) as client:
+    with Client(job["url"], cache_dir=job["cache_dir"], write_url=job.get("write_url")) as client:
         threading.Thread(target=_beat, args=(client, job, parent, done), name="cgstore-beat", daemon=True).start()
         try:
             result = _mint(client, job)
@@ -122,11 +122,11 @@ def run(job: dict[str, Any]) -> int:
             reason = claims.first_line(f"{type(err).__name__}: {err}")
             _log(f"failed: {reason}")
             done.set()
-            released = _release(lambda: claims.release_failed(client.transport, job["repo"], job["claim"], reason))
+            released = _release(lambda: claims.release_failed(client.writer, job["repo"], job["claim"], reason))
             _write_result(job["result"], {"error": reason, "released": released})
             return FAILED
         done.set()
-        _release(lambda: claims.release_published(client.transport, job["repo"], job["claim"], result["key"]))
+        _release(lambda: claims.release_published(client.writer, job["repo"], job["claim"], result["key"]))
         _write_result(job["result"], result)
         return PUBLISHED
 
