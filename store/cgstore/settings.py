@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 from urllib.parse import parse_qs, urlparse
 
 from pydantic import Field, SecretStr, field_validator
@@ -108,6 +109,15 @@ class Settings(BaseSettings):
         "seconds (at most an hour); 5 failures or expiries in a row make it `failing` until cleared",
     )
     s3_part_bytes: int = Field(16 * MiB, ge=5 * MiB, description="multipart part size for S3 writes (≥ 5 MiB)")
+    s3_payload_signing: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="whether the store SHA-256-signs the bytes of each S3 write (SigV4 payload signing: about 1 ms "
+        "of the store's CPU per MiB, and as much again in the S3 server checking it). `auto`: only over plain "
+        "HTTP to another host, where nothing else would catch bytes changed on the way; not over HTTPS (TLS "
+        "authenticates every byte) nor to a loopback endpoint (no wire). `always` / `never`: as said. Every "
+        "blob's bytes are verified by blake3 as they reach the store, by every client that downloads them and by "
+        "`cgstore scrub`, whatever this says (see docs/deploy.md)",
+    )
     s3_max_concurrency: int = Field(
         4,
         ge=1,

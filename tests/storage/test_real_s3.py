@@ -8,16 +8,23 @@ secret is wrong must say so in ``/readyz`` rather than pass for ready.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import time
+import uuid
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import httpx
 import pytest
 
 from cgstore.storage.hashing import blake3_digest
+from cgstore.storage.s3.driver import sign_payloads
 from tests.support.live_store import running_store, settings_for
 from tests.support.storage_fixtures import build_storage_case
+
+MiB = 1 << 20
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 def write_blob(storage, data: bytes) -> str:
@@ -93,3 +100,45 @@ def test_a_store_with_a_wrong_s3_secret_is_not_ready_and_says_why(
     assert body["checks"]["storage"].startswith("unavailable: S3 refused the store's credentials"), body
     assert "403" in body["checks"]["storage"]
     assert s3_server.secret_key not in answer.text and s3_server.access_key not in answer.text
+
+
+@pytest.mark.parametrize(
+    ("mode", "endpoint", "signed"),
+    [
+        ("auto", "http://10.0.0.5:7480", True),  # plain HTTP on a wire: nothing else checks the bytes
+        ("auto", "http://rgw.internal:7480", True),  # a name may resolve anywhere
+        ("auto", "http://127.0.0.1:7480", False),  # loopback: no wire
+        ("auto", "http://localhost:7480", False),
+        ("auto", "http://[::1]:7480", False),
+        ("auto", "https://rgw.internal", False),  # TLS authenticates every byte
+        ("auto", None, False),  # AWS, over HTTPS
+        ("always", "https://rgw.internal", True),
+        ("never", "http://10.0.0.5:7480", False),
+    ],
+)
+def test_payload_signing_follows_the_setting_and_the_endpoint(mode, endpoint, signed):
+    assert sign_payloads(mode, endpoint) is signed
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_rgw_takes_parts_and_puts_signed_or_not_and_the_staged_blob_verifies(s3_server, tmp_path, mode):
+    case = build_storage_case("s3", tmp_path, s3_server, s3_payload_signing=mode)
+    sent: list[str] = []
+
+    def capture(request, **_) -> None:  # what went on the wire for each body-carrying write
+        sent.append(request.headers["X-Amz-Content-SHA256"].decode())
+
+    for operation in ("UploadPart", "PutObject"):
+        case.storage.client.meta.events.register(f"before-send.s3.{operation}", capture)
+    data = os.urandom(12 * MiB + 1234)  # two parts and a tail
+    staged = case.storage.stage_append(case.storage.stage_begin(uuid.uuid4().hex), iter([data]))
+    digest = blake3_digest(data)
+    assert case.storage.stage_commit(staged, digest) == len(data)
+    assert b"".join(case.storage.read(digest)) == data
+    assert write_blob(case.storage, data[:1000]) == blake3_digest(data[:1000])
+    bodies = [value for value in sent if value != EMPTY_SHA256]  # claims: empty bodies
+    assert len(bodies) >= 4  # two parts, the tail, the small blob
+    if mode == "never":
+        assert set(bodies) == {"UNSIGNED-PAYLOAD"}
+    else:
+        assert all(re.fullmatch(r"[0-9a-f]{64}", value) for value in bodies)

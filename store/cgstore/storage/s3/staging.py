@@ -40,6 +40,12 @@ reads only the recorded ranges back (the fallback below). An append that
 would need a part number past 10 000 writes the rest of its bytes as a chunk
 object instead.
 
+A claim is a write to S3 (RGW 16 here: about 46 ms, for an empty object), so
+an append does not wait for it between two parts: it claims the number of the
+part it is filling once that part holds 5 MiB (it will be a part then, not a
+tail), while the rest of it fills, one claim at a time in a thread of its own,
+in stream order; the session's upload is created beside its first claim.
+
 Commit
 ------
 ``stage_commit`` first completes the upload at ``uploads/<session>/parts``
@@ -554,7 +560,11 @@ class AppendParts:
     if the session has none yet), cut at ``part_bytes`` in pooled buffers, at most
     ``max_concurrency`` in flight. ``finish`` sends what is left as a last part if it is at
     least 5 MiB, else writes it as a chunk object; past the last part number, the rest of
-    the append goes to a chunk object (``spill``) instead."""
+    the append goes to a chunk object (``spill``) instead.
+
+    Each part's number is claimed while its buffer fills (``_claim_ahead``, see "Racing
+    appends" above): a cut then finds it claimed instead of waiting a round trip to S3.
+    ``_release`` waits for a claim still under way, so none lands after the append."""
 
     def __init__(
         self,
@@ -574,6 +584,9 @@ class AppendParts:
         self._filled = 0
         self._sent: list[tuple[Future, int, int]] = []  # (upload_part, length, number) in stream order
         self._pool: ThreadPoolExecutor | None = None
+        # Claims run one at a time in their own thread: the part pool's may all be uploading.
+        self._claimer: ThreadPoolExecutor | None = None
+        self._claiming: Future | None = None  # the number of the part being filled
         self._slots = threading.Semaphore(bucket.max_concurrency)
         self._failure: BaseException | None = None
         self._spill: StreamingUpload | None = None
@@ -598,12 +611,34 @@ class AppendParts:
             self._buffer[self._filled : self._filled + len(piece)] = piece
             self._filled += len(piece)
             view = view[len(piece) :]
+            if self._filled >= MIN_PART_BYTES and self._claiming is None:
+                self._claim_ahead()  # these bytes will be a part, not a tail
+
+    def _claim_ahead(self) -> None:
+        """Start claiming the number of the part now being filled (and, for the session's
+        first part, creating its upload): the previous part has taken its number already."""
+        if self._spill is not None:  # no number is left
+            return
+        if self._claimer is None:
+            self._claimer = ThreadPoolExecutor(1, thread_name_prefix="cgstore-s3-claim")
+        self._claiming = self._claimer.submit(self._claim)
+
+    def _claim(self) -> int | None:
+        number = self._claims.claim()
+        if number is not None and self.upload_id is None:
+            self.upload_id = self._created = self._bucket.create_multipart(self._key, None)
+        return number
+
+    def _claimed(self) -> int | None:
+        """The number claimed ahead for the part being cut (None: no number is left)."""
+        claiming, self._claiming = self._claiming, None
+        return self._claim() if claiming is None else claiming.result()
 
     def _cut(self) -> None:
         """Send the gathered bytes as the next part, or start the spill when no number is left."""
         if self._failure is not None:  # fail fast: stop reading the client's stream
             raise self._failure
-        number = self._claims.claim()
+        number = self._claimed()
         buffer, filled = self._buffer, self._filled
         self._buffer, self._filled = None, 0
         if number is None:
@@ -615,8 +650,6 @@ class AppendParts:
                 self._bucket.buffers.release(buffer)
             self._spilled = filled
             return
-        if self.upload_id is None:
-            self.upload_id = self._created = self._bucket.create_multipart(self._key, None)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._bucket.max_concurrency, thread_name_prefix="cgstore-s3-stage")
         self._slots.acquire()
@@ -667,6 +700,12 @@ class AppendParts:
             self._bucket.abort_multipart(self._key, created)
 
     def _release(self) -> None:
+        if self._claimer is not None:
+            # A claim left unused (the tail's, or an aborted append's) ends first: no claim
+            # of this append lands after the append is over (or its staging dropped).
+            self._claimer.shutdown(wait=True)
+            self._claimer = None
+            self._claiming = None
         if self._pool is not None:
             # Waits for parts already uploading (bounded by the client timeouts).
             self._pool.shutdown(wait=True, cancel_futures=True)
