@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from cgstore_client.errors import CgstoreError, CompiledRequired, ConfigError, NotFound, StoreError, Unavailable
 from cgstore_client.wire.fleet import MAX_EVENTS_WAIT_S, EventsAnswer, RecordEvent
-from cgstore_client.worker import claims, discovery, outcomes
+from cgstore_client.worker import claims, discovery, loader, outcomes
 from cgstore_client.worker.discovery import Booted, Declared
 from cgstore_client.worker.http import Transport, parse_answer, split_repo
 
@@ -210,7 +211,9 @@ class Watcher:
 class Follower:
     """Moves one handle through the miss path (claim, mint, wait, upgrade) and reacts to its events."""
 
-    def __init__(self, client: Any, booted: Booted, repo: str | None, dynamic_shapes: Any) -> None:
+    def __init__(
+        self, client: Any, booted: Booted, repo: str | None, dynamic_shapes: Any, carried: discovery.Carried
+    ) -> None:
         self._client = client
         self._booted = weakref.ref(booted)  # a dropped handle stops being followed
         self.declared: Declared = booted.declared
@@ -227,6 +230,10 @@ class Follower:
         #: How this worker's last mint ended, while the fleet goes on without it (kept in the reasons that follow).
         self._failed_here: str | None = None
         self._failures = 0
+        #: What the last serve of the declaration left for the next (the graph bound, each step's seconds).
+        self._carried = carried
+        #: When the feed last told of a publish for the declaration (``perf_counter``), for the upgrade's log line.
+        self._heard: float | None = None
 
     # events (the watcher's thread) -------------------------------------------------------------
 
@@ -248,6 +255,7 @@ class Follower:
             if booted.compiled and loaded is not None and (loaded.key, loaded.repo) == (event.key, event.repo):
                 self._yanked(booted, event.reason or "no reason given")
         elif event.kind == "published" and not booted.compiled and self.matches(event):
+            self._heard = time.perf_counter()
             self.wake()
 
     def _yanked(self, booted: Booted, reason: str) -> None:
@@ -329,17 +337,35 @@ class Follower:
         if not self.claiming:
             self._upgrade(booted)
             return None
+        if self._heard is not None and self._upgrade(booted):  # a publish for it was heard: no claim to ask first
+            return None
         return self.claim_step(booted)
 
     def _upgrade(self, booted: Booted) -> bool:
         """Serve the declaration again; switch the handle in place when it comes back compiled."""
-        fresh = discovery.serve_declared(self._client, self.declared)
+        known = booted.declared.graph if booted.declared is not None else None
+        if known is not None and known != self.declared.graph:  # a confirmation measured it since
+            self.declared = replace(self.declared, graph=known)
+        started = time.perf_counter()
+        fresh = discovery.serve_declared(self._client, self.declared, self._carried)
         if not fresh.compiled:
+            self._heard = None
             return False
         booted.adopt(fresh)
+        booted.declared = self.declared
         discovery.confirm_in_background(self._client, booted)
+        switched = time.perf_counter()
+        heard, self._heard = self._heard, None
+        steps = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self._carried.phases.items())
         log.info(
-            "cgstore: %s now serves %s from %s compiled", self.declared.family, fresh.loaded.key, fresh.loaded.repo
+            "cgstore: %s now serves %s from %s compiled (%.2f s%s: %s; confirmation %s)",
+            self.declared.family,
+            fresh.loaded.key,
+            fresh.loaded.repo,
+            switched - (heard if heard is not None else started),
+            " since the publish was heard" if heard is not None else "",
+            steps or "nothing to do",
+            booted.confirmation,
         )
         return True
 
@@ -537,13 +563,14 @@ def boot(
             raise ConfigError("mint='on_miss' publishes what it mints: pass publish_to='OWNER/REPO'")
         split_repo(publish_to)
     declared = discovery.declare(family, model, mandatory=mandatory, example_inputs=example_inputs, **declaration)
-    booted = discovery.serve_declared(client, declared)
+    carried = discovery.Carried()
+    booted = discovery.serve_declared(client, declared, carried)
     discovery.confirm_in_background(client, booted)
     if not watch or client.offline:
         if mandatory and not booted.compiled:
             raise CompiledRequired({family: booted.reason or outcomes.MISS})
         return booted
-    follower = Follower(client, booted, publish_to if mint == "on_miss" else None, dynamic_shapes)
+    follower = Follower(client, booted, publish_to if mint == "on_miss" else None, dynamic_shapes, carried)
     booted.follower = follower  # the handle keeps its follower alive, not the other way round
     client.watcher.add(follower)
     if booted.compiled:
@@ -555,4 +582,7 @@ def boot(
         raise CompiledRequired({family: booted.reason or outcomes.MISS}, retry_after=follower.retry_after)
     if not booted.compiled:
         follower.start(wait)
+        # Serving eager until a publish: meanwhile import what loading a compiled graph needs (seconds of
+        # import per process), so the upgrade does not pay for it when the publish comes.
+        loader.warm_in_background()
     return booted
