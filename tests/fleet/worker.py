@@ -6,7 +6,7 @@
 imported and its model built before; ``--confirm`` as ``boot``'s, default ``never``: each background
 confirmation is an export, a core-second or more per upgrade per worker), then calls the handle every
 20 ms until ``FILE`` exists,
-printing one JSON line per change of what it serves (``compiled``, ``key``, ``reason``), each with
+printing one JSON line per change of what it serves (``compiled``, ``key``, ``reason``, ``confirmation``), each with
 the Unix time it saw it and whether the compiled outputs equal the eager model's; ``raised`` lines
 when the handle (mandatory) raises :class:`CompiledRequired`.
 """
@@ -70,7 +70,7 @@ def main() -> int:
         last = None
         while not os.path.exists(args.stop):
             key = booted.loaded.key if booted.loaded else None
-            state = (booted.compiled, key, booted.reason)
+            state = (booted.compiled, key, booted.reason, booted.confirmation)
             try:
                 with torch.no_grad():
                     out = booted(*inputs)

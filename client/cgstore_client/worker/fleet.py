@@ -356,7 +356,10 @@ class Follower:
         discovery.confirm_in_background(self._client, booted)
         switched = time.perf_counter()
         heard, self._heard = self._heard, None
-        steps = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self._carried.phases.items())
+        phases = {"woken": started - heard} if heard is not None else {}
+        phases.update(self._carried.phases)
+        phases["switch"] = switched - started - sum(self._carried.phases.values())
+        steps = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items())
         log.info(
             "cgstore: %s now serves %s from %s compiled (%.2f s%s: %s; confirmation %s)",
             self.declared.family,
