@@ -761,8 +761,6 @@ def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str
     import torch
     from torch.utils import _pytree as pytree
 
-    from cgstore_client.archive import graph_digest_from_program
-
     declared = {spec["path"]: spec["shape"] for spec in contract.get("inputs") or []}
     dims = {
         name: torch.export.Dim(name, min=bounds.get("min"), max=bounds.get("max"))
@@ -776,7 +774,26 @@ def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str
     args = tuple(example_inputs)
     with model_lock(model):
         program = torch.export.export(model, args, dynamic_shapes=pytree.tree_map_with_path(dynamic, args))
-    return graph_digest_from_program(program)
+    return serialized_graph_digest(program)
+
+
+def serialized_graph_digest(program) -> str:
+    """The graph digest of ``program`` as an archive holds it: after torch's serialization and back.
+
+    The store measures a record's graph from the program serialized in its archive, and one round
+    trip through ``torch.export.save``/``load`` can change what a fresh export says (HF GPT-2's
+    attention: a stride torch rewrites on load), after which it is stable. A live model's export is
+    compared in the same form, or an unchanged model would drift."""
+    import io
+
+    import torch
+
+    from cgstore_client.archive import graph_digest_from_program
+
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    buffer.seek(0)
+    return graph_digest_from_program(torch.export.load(buffer))
 
 
 def _report(client: Client, loaded: Loaded, measured: str, reason: str) -> None:

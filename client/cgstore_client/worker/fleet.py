@@ -508,15 +508,14 @@ def model_modules(model: Any) -> list[str]:
 
 
 def export_program(declared: Declared, dynamic_shapes: Any, path: Path) -> str:
-    """``torch.export`` the live model on the example inputs into ``path``; returns its graph digest."""
+    """``torch.export`` the live model on the example inputs into ``path``; returns its graph digest (as the
+    archive will hold it: :func:`discovery.serialized_graph_digest`)."""
     import torch
-
-    from cgstore_client.archive import graph_digest_from_program
 
     with discovery.model_lock(declared.model):  # eager calls of the model wait: the export fakes its tensors
         program = torch.export.export(declared.model, tuple(declared.example_inputs), dynamic_shapes=dynamic_shapes)
     torch.export.save(program, str(path))
-    return graph_digest_from_program(program)
+    return discovery.serialized_graph_digest(program)
 
 
 def _spawn(client: Any, job: dict[str, Any], log_path: Path) -> subprocess.Popen:
