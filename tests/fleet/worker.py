@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -40,6 +41,9 @@ def main() -> int:
     parser.add_argument("--boot-after")
     parser.add_argument("--confirm", default="never", choices=["never", "background", "before"])
     args = parser.parse_args()
+    # The client's own account (its upgrades' steps and seconds) goes to stderr: the test keeps it in worker-N.log.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(created).3f %(name)s %(message)s")
+    logging.getLogger("cgstore_client").setLevel(logging.INFO)
     model = tiny_model(seed=args.seed).eval()  # its own weights: what is served is bound to them
     inputs = tiny_inputs(2)
     with torch.no_grad():  # computed before boot: the test never calls the model beside the handle's exports

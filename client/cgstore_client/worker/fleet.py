@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from cgstore_client.errors import CgstoreError, CompiledRequired, ConfigError, NotFound, StoreError, Unavailable
 from cgstore_client.wire.fleet import MAX_EVENTS_WAIT_S, EventsAnswer, RecordEvent
-from cgstore_client.worker import claims, discovery, loader, outcomes
+from cgstore_client.worker import claims, discovery, outcomes
 from cgstore_client.worker.discovery import Booted, Declared
 from cgstore_client.worker.http import Transport, parse_answer, split_repo
 
@@ -584,7 +584,4 @@ def boot(
         raise CompiledRequired({family: booted.reason or outcomes.MISS}, retry_after=follower.retry_after)
     if not booted.compiled:
         follower.start(wait)
-        # Serving eager until a publish: meanwhile import what loading a compiled graph needs (seconds of
-        # import per process), so the upgrade does not pay for it when the publish comes.
-        loader.warm_in_background()
     return booted

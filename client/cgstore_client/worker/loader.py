@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -195,30 +194,6 @@ class _Binder:
                         f"tied names {held} hold different values in the checkpoint: the artifact was compiled "
                         "with them shared, binding them would compute something else"
                     )
-
-
-_WARMING = threading.Lock()
-_warmed = False
-
-
-def warm_in_background() -> None:
-    """Import what :func:`load_compiled` needs (``torch._inductor``: seconds of imports, the largest part of a
-    process's first load) in a daemon thread, once per process. A worker serving eager while a mint runs
-    calls it, so its switch to compiled when the record is published is not held up by imports."""
-    global _warmed
-    with _WARMING:
-        if _warmed:
-            return
-        _warmed = True
-    threading.Thread(target=_warm, name="cgstore-warm-loader", daemon=True).start()
-
-
-def _warm() -> None:
-    try:
-        import torch._inductor  # noqa: F401  (the import is the point)
-        from torch._inductor.package import load_package  # noqa: F401
-    except Exception as err:  # a failed warm-up changes nothing: the load imports (and fails) as before
-        logging.getLogger(__name__).debug("cgstore: could not import the AOTI loader ahead: %s", err)
 
 
 def load_compiled(loaded: Bindable, checkpoint: Checkpoint, *, device: str = "cpu"):
