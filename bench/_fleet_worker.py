@@ -9,6 +9,7 @@ upgrades say how long each step took).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ class Said(logging.Handler):
 
 def main() -> int:
     url, repo, family, cache, stop = sys.argv[1:6]
+    faulthandler.enable()  # a worker that dies in native code says where, on stderr (``--worker-logs``)
     client_log = logging.getLogger("cgstore_client")
     client_log.setLevel(logging.INFO)
     client_log.addHandler(Said())

@@ -54,14 +54,17 @@ from cgstore_client import Client
 OWNER = "bench"
 WORKER = Path(__file__).resolve().parent / "_fleet_worker.py"
 BOUND_S = 600
+#: ``--worker-logs``: where each worker's stderr goes (its tracebacks; by default nowhere).
+WORKER_LOGS: dict[str, str] = {}
 
 
 class Worker:
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], stderr_path: Path | None = None) -> None:
         self.lines: list[dict] = []
         self._changed = threading.Condition()
+        stderr = open(stderr_path, "ab") if stderr_path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
         self.process = subprocess.Popen(
-            [sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+            [sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE, stderr=stderr
         )
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -144,7 +147,11 @@ class Fleet:
         self.workers: list[Worker] = []
 
     def start(self, count: int) -> None:
-        self.workers = [Worker(self.args, self.env) for _ in range(count)]
+        logs = WORKER_LOGS.get("dir")
+        self.workers = [
+            Worker(self.args, self.env, Path(logs) / f"{self.stop.name}-worker-{i}.log" if logs else None)
+            for i in range(count)
+        ]
 
     def all_compiled(self, since: float = 0.0) -> list[dict]:
         served = [w.first(compiled, BOUND_S, since) for w in self.workers]
@@ -240,7 +247,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--claim-ttl", type=float, default=15.0)
+    parser.add_argument("--worker-logs", help="a directory for each worker's stderr (default: discarded)")
     args = parser.parse_args()
+    if args.worker_logs:
+        os.makedirs(args.worker_logs, exist_ok=True)
+        WORKER_LOGS["dir"] = args.worker_logs
     started = time.perf_counter()
     result: dict[str, float] = {"workers": args.workers}
     with (
