@@ -3,14 +3,18 @@
 ``python bench/_fleet_worker.py URL REPO FAMILY CACHE STOP_FILE`` with ``CGSTORE_TOKEN`` set. Prints one
 JSON line (with the Unix time) at boot and each time what the handle serves changes (seen before a call),
 calling it every 10 ms until ``STOP_FILE`` exists; a ``slow-call`` line for a call that took over a second
-(an eager call waiting for an export of the model).
+(an eager call waiting for an export of the model); a ``log`` line for each of the client's log records (its
+upgrades say how long each step took).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,12 +29,29 @@ ENVELOPE = {"shapes": [[1, 1]], "text_len": IDS_SHAPE[1], "batch_sizes": [IDS_SH
 EVENTS_WAIT_S = 10
 
 
+_SAYING = threading.Lock()  # the client's threads log too: one whole line at a time
+
+
 def say(**line) -> None:
-    print(json.dumps({"t": time.time(), "pid": os.getpid(), **line}), flush=True)
+    text = json.dumps({"t": time.time(), "pid": os.getpid(), **line}) + "\n"
+    with _SAYING:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+class Said(logging.Handler):
+    """The client's log records as ``log`` lines, timed like the others."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        say(event="log", message=record.getMessage())
 
 
 def main() -> int:
     url, repo, family, cache, stop = sys.argv[1:6]
+    faulthandler.enable()  # a worker that dies in native code says where, on stderr (``--worker-logs``)
+    client_log = logging.getLogger("cgstore_client")
+    client_log.setLevel(logging.INFO)
+    client_log.addHandler(Said())
     model = tiny_hf_model("gpt2", seed=os.getpid() % 1000)  # random weights of its own: no hub
     inputs = hf_inputs()
     with Client(url, cache_dir=cache, events_wait_s=EVENTS_WAIT_S) as client:

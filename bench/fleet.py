@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,14 +54,17 @@ from cgstore_client import Client
 OWNER = "bench"
 WORKER = Path(__file__).resolve().parent / "_fleet_worker.py"
 BOUND_S = 600
+#: ``--worker-logs``: where each worker's stderr goes (its tracebacks; by default nowhere).
+WORKER_LOGS: dict[str, str] = {}
 
 
 class Worker:
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], stderr_path: Path | None = None) -> None:
         self.lines: list[dict] = []
         self._changed = threading.Condition()
+        stderr = open(stderr_path, "ab") if stderr_path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
         self.process = subprocess.Popen(
-            [sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+            [sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE, stderr=stderr
         )
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -102,6 +106,31 @@ def logged_at(lines: list[str], marker: str) -> float | None:
     return next((float(line.split(" ", 1)[0]) for line in lines if marker in line), None)
 
 
+#: A worker's upgrade, as its client logs it (``worker.fleet.Follower``).
+UPGRADED = re.compile(
+    r"now serves \S+ from \S+ compiled \((?P<s>[0-9.]+) s(?P<heard> since the publish was heard)?: (?P<steps>[^;]*);"
+)
+
+
+def upgrades(fleet: Fleet, since: float, answered: float) -> list[str]:
+    """Each worker's upgrade after ``since``, step by step: when it heard the publish (after its answer), the
+    discover, the blobs (receipt, cache or download), the load and bind, and the switch seen by its next call."""
+    rows = []
+    for worker in fleet.workers:
+        logged = worker.first(lambda line: line.get("event") == "log" and UPGRADED.search(line["message"]), 0, since)
+        seen = worker.first(compiled, 0, since)
+        if logged is None or seen is None:
+            continue
+        match = UPGRADED.search(logged["message"])
+        took = float(match["s"])
+        heard = f"heard +{logged['t'] - took - answered:.2f}s" if match["heard"] else "no event heard"
+        rows.append(
+            f"pid {worker.process.pid}: {heard}, switched {took:.2f}s later ({match['steps']}), "
+            f"seen by its next call {seen['t'] - logged['t']:+.2f}s"
+        )
+    return rows
+
+
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -118,7 +147,11 @@ class Fleet:
         self.workers: list[Worker] = []
 
     def start(self, count: int) -> None:
-        self.workers = [Worker(self.args, self.env) for _ in range(count)]
+        logs = WORKER_LOGS.get("dir")
+        self.workers = [
+            Worker(self.args, self.env, Path(logs) / f"{self.stop.name}-worker-{i}.log" if logs else None)
+            for i in range(count)
+        ]
 
     def all_compiled(self, since: float = 0.0) -> list[dict]:
         served = [w.first(compiled, BOUND_S, since) for w in self.workers]
@@ -146,6 +179,8 @@ def miss(fleet: Fleet, workers: int) -> dict[str, float]:
     log(
         f"miss: {len(mint_logs(fleet.cache))} compile(s), mint {mint_s:.1f}s, all {workers} compiled {all_compiled_s:.1f}s"
     )
+    for row in upgrades(fleet, granted, published):
+        log(f"  upgrade {row}")
     return {
         "compiles": len(mint_logs(fleet.cache)),
         "mint_s": round(mint_s, 2),
@@ -187,6 +222,8 @@ def yank_and_publish(stack, fleet: Fleet, repo: str, token: str, scratch: Path) 
         answered = time.time()
     upgrade_s = [max(0.0, line["t"] - answered) for line in fleet.all_compiled(published_at)]
     log(f"yank → eager: max {max(yank_s):.2f}s; publish → compiled: max {max(upgrade_s):.2f}s")
+    for row in upgrades(fleet, published_at, answered):
+        log(f"  upgrade {row}")
     return {"yank_to_eager_p99_s": round(p99(yank_s), 2), "upgrade_after_publish_p99_s": round(p99(upgrade_s), 2)}
 
 
@@ -210,7 +247,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--claim-ttl", type=float, default=15.0)
+    parser.add_argument("--worker-logs", help="a directory for each worker's stderr (default: discarded)")
     args = parser.parse_args()
+    if args.worker_logs:
+        os.makedirs(args.worker_logs, exist_ok=True)
+        WORKER_LOGS["dir"] = args.worker_logs
     started = time.perf_counter()
     result: dict[str, float] = {"workers": args.workers}
     with (

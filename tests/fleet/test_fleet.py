@@ -3,26 +3,27 @@
 Each worker (``tests/fleet/worker.py``) is its own process booting the tiny
 model by declaration with ``mint="on_miss"``; the workers of a fleet share one
 client cache, as the workers of one node do, so every mint child's log
-(``mints/<claim>.log``, first line ``<time> compiling claim …``) is a compile
-the test can count and time. An AOTInductor compile takes ~30 s on this loaded
-2-core machine, so the tests compile as little as they can and overlap what
-they cannot avoid:
+(``mints/<claim>.log``, first line ``<time> compiling claim …``) is a mint
+the test can count and time. Every scenario runs on both configurations
+(``configuration``: embedded, then production), each on its own two stores:
 
-- one fleet on the production configuration (PostgreSQL + S3): six workers
-  compile a new declaration once; then, the same processes and a mandatory
-  worker serving it, yanks and publishes reach them all (no compile: the
+- six workers mint a new declaration once; then, the same processes and a
+  mandatory worker serving it, yanks and publishes reach them all (the
   publishes are the session's archive A, the very graph the workers export);
-- two fleets at once on one embedded store with a short claim TTL and a short
-  backoff: one meets a mint child killed, then a holder worker killed (each a
-  takeover: two compiles each, three in all), the other a graph that cannot
-  compile (five failed mints in seconds).
+- two fleets at once on a store with a short claim TTL and a short backoff:
+  one meets a mint child killed, then a holder worker killed (each a takeover:
+  two mints each, three in all), the other a graph that cannot compile (five
+  failed mints in seconds).
 
-Both stores' fleets start together (``started_together``): one's compiles run
-while the other's workers wait out a TTL or a backoff.
+A configuration's fleets start together (``started_together``): one's mints
+run while the other's workers wait out a TTL or a backoff.
 
-Claims and the events feed are configuration-dependent only in the store's SQL
-(a conditional update, the feed's head): ``tests/claims`` and ``tests/events``
-run those in both configurations. Here each fleet runs in one.
+An AOTInductor compile costs 10-40 s here, and every mint of these fleets
+compiles the same graph (archive A's): the mint children of the six-worker and
+takeover fleets take the compile from the session's compile memo
+(``tests/fleet/memo.py``, seeded with archive A), so the suite adds no real
+compile. The mints are still counted one by one: a mint child started is a
+mint, whatever its compile cost.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from cgstore_client import Client
 from cgstore_client.binding import code_fingerprint
 from cgstore_client.environment import environment_sm, environment_toolchain
 from cgstore_client.mint import derived_constants_path
+from tests.fleet import memo
 from tests.fleet.declaration import ENVELOPE
 from tests.support.archives import REPO, tiny_model
 from tests.support.live_store import running_store, session_servers, settings_for, unique_repo
@@ -54,9 +56,14 @@ pytestmark = pytest.mark.torch
 
 #: A compile (and a takeover's second one) on a loaded 2-core machine, with workers importing torch.
 MINT_BOUND_S = 240
+#: Five failed mints and four backoffs: five mint children each starting and importing torch (30-60 s each at a
+#: load average of 25 on the 2 cores), the backoffs hidden behind them. A bound: a quiet machine takes ~40 s.
+FAILING_BOUND_S = 420
 #: What the issue allows past the mint for every worker to be compiled.
 FLEET_SLACK_S = 10
 EVENTS_WAIT_S = 5
+#: How long the six workers' mint still compiles once they have all booted (from the memo: a compile's tail).
+COMPILE_AFTER_BOOTS_S = 5
 #: The takeover fleets' claim TTL: a killed holder's claim lapses this soon (a live one is beaten every third).
 CLAIM_TTL_S = 5
 #: The failing fleet's first backoff, then doubling (22.5 s in all, hidden behind the takeovers' compiles): the
@@ -109,18 +116,31 @@ class Worker:
 class Fleet:
     """Workers of one declaration against one store, one shared cache, one stop file."""
 
-    def __init__(self, store, tmp_path: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        store,
+        tmp_path: Path,
+        env: dict[str, str] | None = None,
+        compile_memo: Path | None = None,
+        gated: bool = False,
+    ):
+        """``compile_memo``: the mint children take their compile from it (``tests/fleet/memo.py``), which
+        answers (``gated``) only once the test creates ``gate``."""
         self.store, self.tmp_path = store, tmp_path
         self.repo, self.family = f"acme/{unique_repo('fleet')}", unique_repo("tiny-fleet")
         self.token = store.mint("fleet-workers", f"{self.repo}:read,write")
         self.cache = tmp_path / "cache"
         self.stop_file = tmp_path / "stop"
-        self.env = {
-            **os.environ,
-            "CGSTORE_TOKEN": self.token,
-            "PYTHONPATH": os.pathsep.join([str(REPO / "store"), str(REPO / "client"), str(REPO)]),
-            **(env or {}),
-        }
+        paths = [str(REPO / "store"), str(REPO / "client"), str(REPO)]
+        self.env = {**os.environ, "CGSTORE_TOKEN": self.token, "PYTHONPATH": os.pathsep.join(paths), **(env or {})}
+        self.env.pop(memo.MEMO_ENV, None)
+        self.env.pop(memo.GATE_ENV, None)
+        self.gate = tmp_path / "compile-gate"
+        if gated:
+            self.env[memo.GATE_ENV] = str(self.gate)
+        if compile_memo is not None:
+            self.env[memo.MEMO_ENV] = str(compile_memo)
+            self.env["PYTHONPATH"] = os.pathsep.join([str(memo.SITE), *paths])
         self.workers: list[Worker] = []
 
     def start(self, count: int, *extra: str) -> list[Worker]:
@@ -195,8 +215,22 @@ def store_for_the_module(request, tmp_path_factory, configuration: str, **settin
         yield store
 
 
+@pytest.fixture(scope="module", params=["embedded", "production"])
+def configuration(request) -> str:
+    """Every scenario on both configurations: the module's tests run for one, then for the other."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def compile_memo(tmp_path_factory, pt2_archive) -> Path:
+    """The compile memo of both configurations' mints, seeded with archive A (the graph the workers export)."""
+    directory = tmp_path_factory.mktemp("compile-memo")
+    memo.seed(directory, pt2_archive)
+    return directory
+
+
 @pytest.fixture(scope="module", autouse=True)
-def started_together(request):
+def started_together(request, configuration):
     """The takeover and failing fleets start first (their waits are long), then the six workers'."""
     request.getfixturevalue("troubled")
     request.getfixturevalue("served")
@@ -206,7 +240,7 @@ def started_together(request):
 
 
 class Served:
-    """The production fleet: six workers booting a new declaration, a mandatory one booting once it is served."""
+    """Six workers booting a new declaration, a mandatory one booting once it is served."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
@@ -215,6 +249,18 @@ class Served:
         self.six = fleet.start(1, "--confirm", "background") + fleet.start(5)
         self.published = fleet.tmp_path / "published"
         (self.mandatory,) = fleet.start(1, "--mandatory", "--boot-after", str(self.published))
+        threading.Thread(target=self._open_the_gate, daemon=True).start()
+
+    def _open_the_gate(self) -> None:
+        """The mint's compile (from the memo) ends a few seconds after all six have booted, as a real one
+        (20-40 s) would: each worker meets the mint in flight and waits for it as a fleet does."""
+        deadline = time.monotonic() + MINT_BOUND_S
+        while not all(w.first(lambda line: line.get("event") == "booted") for w in self.six):
+            if time.monotonic() > deadline or any(w.process.poll() is not None for w in self.six):
+                break
+            time.sleep(0.05)
+        time.sleep(COMPILE_AFTER_BOOTS_S)
+        self.fleet.gate.touch()
 
     def six_compiled(self) -> list[dict | None]:
         served = [worker.first(compiled, MINT_BOUND_S) for worker in self.six]
@@ -223,9 +269,9 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(request, tmp_path_factory):
-    with store_for_the_module(request, tmp_path_factory, "production") as store:
-        fleet = Fleet(store, tmp_path_factory.mktemp("served"))
+def served(request, tmp_path_factory, configuration, compile_memo):
+    with store_for_the_module(request, tmp_path_factory, configuration) as store:
+        fleet = Fleet(store, tmp_path_factory.mktemp("served"), compile_memo=compile_memo, gated=True)
         try:
             yield Served(fleet)
         finally:
@@ -240,7 +286,9 @@ def test_six_workers_booting_one_new_declaration_compile_it_once_and_all_serve_i
     published_at = logged_at(log, "published ")
     assert published_at is not None, log
     # Every worker compiled within the mint's end + 10 s, serving what its eager model computes.
-    assert max(line["t"] for line in lines) <= published_at + FLEET_SLACK_S
+    assert max(line["t"] for line in lines) <= published_at + FLEET_SLACK_S, [
+        line["t"] - published_at for line in lines
+    ]
     assert all(line["equal"] for line in lines)
     minting = [w for w in workers if w.first(lambda line: reason(line).startswith("minting here (claim "))]
     waiting = [w for w in workers if w.first(lambda line: reason(line).startswith("waiting for a mint (claim "))]
@@ -258,11 +306,15 @@ def test_a_yank_reaches_every_running_worker_and_a_publish_upgrades_them_again(s
     (minted,) = fleet.records()
     admin = fleet.store.mint("fleet-admin", "*/*:admin")
     publish = _publisher(fleet, pt2_archive, tmp_path)
+    confirming = served.six[0]  # confirms in the background: an export of its model measures the graph
+    assert confirming.first(lambda line: compiled(line) and line["confirmation"] == "confirmed", 120), confirming.lines
 
     _yank_reaches_every_worker(served, admin, minted["key"], "bad numerics")
     published_at = time.time()
     key = publish()  # another mint's record of the declaration: the eager fleet upgrades to it
     _every_worker_upgrades(workers, published_at, key)
+    # The graph its model was measured to export is known: confirmed on the switch, no export again.
+    assert confirming.after(published_at, compiled, 0)["confirmation"] == "confirmed", confirming.lines
 
     _yank_reaches_every_worker(served, admin, key, "bad numerics again")
     republished_at = time.time()
@@ -314,7 +366,7 @@ def _publisher(fleet: Fleet, pt2_archive: Path, tmp_path: Path):
     return publish
 
 
-# --- takeovers and a failing graph: two fleets at once on one embedded store ---------------------------
+# --- takeovers and a failing graph: two fleets at once on one store ---------------------------------
 
 
 def child_pid(log: list[str]) -> int:
@@ -335,8 +387,8 @@ class Troubled:
     which publishes. Each kill costs exactly one more compile: two per takeover, three in all.
     """
 
-    def __init__(self, store, tmp_path_factory) -> None:
-        self.takeover = Fleet(store, tmp_path_factory.mktemp("takeover"))
+    def __init__(self, store, tmp_path_factory, compile_memo: Path) -> None:
+        self.takeover = Fleet(store, tmp_path_factory.mktemp("takeover"), compile_memo=compile_memo)
         # The mint refuses to compile under TORCHINDUCTOR_DEBUG_COMPILE (it changes the bytes outside its
         # policy): a compile error in seconds. The workers export and serve as usual.
         self.failing = Fleet(store, tmp_path_factory.mktemp("failing"), env={"TORCHINDUCTOR_DEBUG_COMPILE": "1"})
@@ -373,10 +425,10 @@ class Troubled:
 
 
 @pytest.fixture(scope="module")
-def troubled(request, tmp_path_factory):
+def troubled(request, tmp_path_factory, configuration, compile_memo):
     settings = {"claim_ttl_s": CLAIM_TTL_S, "claim_backoff_s": CLAIM_BACKOFF_S}
-    with store_for_the_module(request, tmp_path_factory, "embedded", **settings) as store:
-        fleets = Troubled(store, tmp_path_factory)
+    with store_for_the_module(request, tmp_path_factory, configuration, **settings) as store:
+        fleets = Troubled(store, tmp_path_factory, compile_memo)
         try:
             yield fleets
         finally:
@@ -419,7 +471,7 @@ def test_a_holder_worker_killed_lapses_its_claim_and_another_worker_takes_over(t
 
 def test_a_graph_that_cannot_compile_fails_then_backs_off_then_is_failing_after_five(troubled):
     fleet = troubled.failing
-    failing = first_of(fleet.workers, lambda line: "failing until an admin clears it" in reason(line), MINT_BOUND_S)
+    failing = first_of(fleet.workers, lambda line: "failing until an admin clears it" in reason(line), FAILING_BOUND_S)
     assert failing, [w.lines for w in fleet.workers]
     assert "TORCHINDUCTOR_DEBUG_COMPILE is set" in reason(failing)
     assert len(fleet.mint_logs()) == 5  # five grants, five failed compiles, then none

@@ -6,7 +6,7 @@
 imported and its model built before; ``--confirm`` as ``boot``'s, default ``never``: each background
 confirmation is an export, a core-second or more per upgrade per worker), then calls the handle every
 20 ms until ``FILE`` exists,
-printing one JSON line per change of what it serves (``compiled``, ``key``, ``reason``), each with
+printing one JSON line per change of what it serves (``compiled``, ``key``, ``reason``, ``confirmation``), each with
 the Unix time it saw it and whether the compiled outputs equal the eager model's; ``raised`` lines
 when the handle (mandatory) raises :class:`CompiledRequired`.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -40,6 +41,9 @@ def main() -> int:
     parser.add_argument("--boot-after")
     parser.add_argument("--confirm", default="never", choices=["never", "background", "before"])
     args = parser.parse_args()
+    # The client's own account (its upgrades' steps and seconds) goes to stderr: the test keeps it in worker-N.log.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(created).3f %(name)s %(message)s")
+    logging.getLogger("cgstore_client").setLevel(logging.INFO)
     model = tiny_model(seed=args.seed).eval()  # its own weights: what is served is bound to them
     inputs = tiny_inputs(2)
     with torch.no_grad():  # computed before boot: the test never calls the model beside the handle's exports
@@ -70,7 +74,7 @@ def main() -> int:
         last = None
         while not os.path.exists(args.stop):
             key = booted.loaded.key if booted.loaded else None
-            state = (booted.compiled, key, booted.reason)
+            state = (booted.compiled, key, booted.reason, booted.confirmation)
             try:
                 with torch.no_grad():
                     out = booted(*inputs)

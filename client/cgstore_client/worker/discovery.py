@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import blake3
@@ -283,8 +285,9 @@ class Booted:
 @dataclass(frozen=True)
 class Declared:
     """A boot's declaration and what serving it needs, kept with its handle so it can be served again later
-    (when a record is published for it). ``graph``: the graph digest this worker exported for its own mint,
-    when it minted (a record with that graph is this model's: confirmed without exporting again)."""
+    (when a record is published for it). ``graph``: a graph digest this model is known to export to: the one
+    this worker exported for its own mint, or one a confirmation measured (a record with that graph is this
+    model's: confirmed without exporting again)."""
 
     family: str
     model: Any
@@ -304,6 +307,39 @@ class Declared:
         envelope = Envelope.from_dict(self.request.envelope)
         toolchain = Toolchain({**self.request.toolchain.components, **self.request.toolchain.recorded})
         return discovery_digest(self.family, envelope.digest, self.request.sm, toolchain.digest, toolchain.recorded)
+
+
+@dataclass
+class Carried:
+    """What one serve of a declaration leaves for the next serve of it by the same handle (the follower's upgrades).
+
+    ``bound``: the compiled graph last bound to the live model, by the blobs it was loaded from (artifact and
+    component digests). Blobs are content-addressed and the weights are the same live tensors, so a record
+    served again with the same blobs (published again after a yank) is bound already: its gate and its receipt
+    are checked again, the load and the bind are not repeated. ``phases``: seconds spent in each step of the
+    last serve (``discover``, ``fetch``, ``load``), for the log line that says the handle switched.
+    """
+
+    bound: dict[tuple[str, ...], Any] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - started
+
+    def keep(self, loaded: Loaded, compiled: Any) -> None:
+        """Remember ``compiled`` as the graph bound from ``loaded``'s blobs (only the last one: its memory)."""
+        self.bound = {_blobs_of(loaded): compiled}
+
+
+def _blobs_of(loaded: Loaded) -> tuple[str, ...]:
+    manifest = loaded.manifest
+    components = sorted(f"{c['name']}={c['digest']}" for c in manifest.get("components") or [])
+    return (manifest.get("artifact", {}).get("digest", ""), *components)
 
 
 # --- discover ------------------------------------------------------------------------------
@@ -450,14 +486,18 @@ def declare(
     return Declared(family, model, request, example_inputs, checkpoint, device, confirm, mandatory)
 
 
-def serve_declared(client: Client, declared: Declared) -> Booted:
+def serve_declared(client: Client, declared: Declared, carried: Carried | None = None) -> Booted:
     """One discover of ``declared`` and the first candidate through the gate (and, ``confirm="before"``, confirmed).
 
-    A candidate whose graph is ``declared.graph`` (this worker's own export) is
-    confirmed as it is: no second export. Background confirmation is the
-    caller's (:func:`confirm_in_background`, on the handle that will serve).
+    A candidate whose graph is ``declared.graph`` (this worker's own export, or
+    a graph a confirmation of this model measured) is confirmed as it is: no
+    second export. Background confirmation is the caller's
+    (:func:`confirm_in_background`, on the handle that will serve). ``carried``:
+    what an earlier serve by the same handle left (see :class:`Carried`).
     Never raises for a mandatory declaration: the caller decides.
     """
+    carried = carried if carried is not None else Carried()
+    carried.phases.clear()
     confirm_each = declared.confirm == "before" and declared.example_inputs is not None
     booted = _boot(
         client,
@@ -469,6 +509,7 @@ def serve_declared(client: Client, declared: Declared) -> Booted:
         declared.device,
         confirm_each,
         declared.graph,
+        carried,
     )
     booted.declared, booted.mandatory = declared, declared.mandatory
     return booted
@@ -514,16 +555,28 @@ def _boot(
     device,
     confirm_each: bool,
     known_graph: str | None = None,
+    carried: Carried | None = None,
 ) -> Booted:
     """The first candidate through the structural gate (and, with ``confirm_each``, confirmed), else eager."""
+    carried = carried if carried is not None else Carried()
     try:
-        discovered = discover_answer(client, request)
+        with carried.timed("discover"):
+            discovered = discover_answer(client, request)
     except Offline as err:
         return Booted(model, reason=f"{outcomes.OFFLINE_NOT_CACHED}: {err}")
     except Unavailable as err:  # down, or too slow (past the call deadline): never hung
         return Booted(model, reason=outcomes.reason_for(err))
     booted = _serve_first(
-        client, model, request, discovered.answer, example_inputs, checkpoint, device, confirm_each, known_graph
+        client,
+        model,
+        request,
+        discovered.answer,
+        example_inputs,
+        checkpoint,
+        device,
+        confirm_each,
+        known_graph,
+        carried,
     )
     if discovered.from_cache is not None:
         if booted.compiled:  # compiled all the same: say the store was not asked
@@ -545,13 +598,15 @@ def _serve_first(
     device,
     confirm_each: bool,
     known_graph: str | None = None,
+    carried: Carried | None = None,
 ) -> Booted:
+    carried = carried if carried is not None else Carried()
     candidates = answer.candidates
     shapes = _leaf_shapes(example_inputs) if example_inputs is not None else None
     weights = checkpoint if checkpoint is not None else model.state_dict()
     refusals, drifted = [], None
     for candidate in candidates:
-        outcome = _serve_candidate(client, candidate, request.binding_signature, shapes, weights, device)
+        outcome = _serve_candidate(client, candidate, request.binding_signature, shapes, weights, device, carried)
         if isinstance(outcome, str):
             refusals.append(f"{candidate.key}: {outcome}")
             continue
@@ -582,13 +637,19 @@ def _serve_first(
     return Booted(model, reason=_miss_reason(client, request, answer.miss, model))
 
 
-def _serve_candidate(client: Client, candidate: Candidate, signature: str | None, shapes, weights, device):
-    """(Loaded, compiled callable) through the structural gate, or why this candidate is not served."""
+def _serve_candidate(
+    client: Client, candidate: Candidate, signature: str | None, shapes, weights, device, carried: Carried
+):
+    """(Loaded, compiled callable) through the structural gate, or why this candidate is not served.
+
+    The receipt, the blobs (verified, or stamped in the cache) and the gate are checked every time; the load
+    and the bind are skipped when ``carried`` holds the graph bound from these very blobs already."""
     from cgstore_client.worker.loader import BindingError, load_compiled
 
     if candidate.binding_signature != signature:  # the store filters on it; the cache and the client check
         return f"binds other tensors ({candidate.binding_signature})"
-    served = client.serve_hit(candidate)
+    with carried.timed("fetch"):
+        served = client.serve_hit(candidate)
     if isinstance(served, Eager):
         return served.reason
     if shapes is not None:
@@ -596,10 +657,15 @@ def _serve_candidate(client: Client, candidate: Candidate, signature: str | None
             return f"input structure differs: {missing}"
         if not (verdict := admits_contract(served.input_contract, shapes)):
             return f"the input contract refuses the example inputs: {verdict.detail}"
+    if (compiled := carried.bound.get(_blobs_of(served))) is not None:
+        return served, compiled
     try:
-        return served, load_compiled(served, weights, device=device)
+        with carried.timed("load"):
+            compiled = load_compiled(served, weights, device=device)
     except BindingError as err:
         return str(err)
+    carried.keep(served, compiled)
+    return served, compiled
 
 
 def _leaf_shapes(example_inputs) -> dict[str, object]:
@@ -673,6 +739,9 @@ def _confirm(client: Client, booted: Booted, model, example_inputs) -> None:
         booted._settle(SKIPPED)
         return
     if measured == recorded:
+        declared = booted.declared
+        if declared is not None and declared.model is model:  # this model exports to it: no export next time
+            booted.declared = replace(declared, graph=measured)
         booted._settle(CONFIRMED)
         return
     reason = f"{DRIFT}: the live model's graph is {measured}, the record's {recorded}"
@@ -693,8 +762,6 @@ def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str
     import torch
     from torch.utils import _pytree as pytree
 
-    from cgstore_client.archive import graph_digest_from_program
-
     declared = {spec["path"]: spec["shape"] for spec in contract.get("inputs") or []}
     dims = {
         name: torch.export.Dim(name, min=bounds.get("min"), max=bounds.get("max"))
@@ -708,7 +775,26 @@ def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str
     args = tuple(example_inputs)
     with model_lock(model):
         program = torch.export.export(model, args, dynamic_shapes=pytree.tree_map_with_path(dynamic, args))
-    return graph_digest_from_program(program)
+    return serialized_graph_digest(program)
+
+
+def serialized_graph_digest(program) -> str:
+    """The graph digest of ``program`` as an archive holds it: after torch's serialization and back.
+
+    The store measures a record's graph from the program serialized in its archive, and one round
+    trip through ``torch.export.save``/``load`` can change what a fresh export says (HF GPT-2's
+    attention: a stride torch rewrites on load), after which it is stable. A live model's export is
+    compared in the same form, or an unchanged model would drift."""
+    import io
+
+    import torch
+
+    from cgstore_client.archive import graph_digest_from_program
+
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    buffer.seek(0)
+    return graph_digest_from_program(torch.export.load(buffer))
 
 
 def _report(client: Client, loaded: Loaded, measured: str, reason: str) -> None:

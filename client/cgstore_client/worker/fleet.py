@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -210,7 +211,9 @@ class Watcher:
 class Follower:
     """Moves one handle through the miss path (claim, mint, wait, upgrade) and reacts to its events."""
 
-    def __init__(self, client: Any, booted: Booted, repo: str | None, dynamic_shapes: Any) -> None:
+    def __init__(
+        self, client: Any, booted: Booted, repo: str | None, dynamic_shapes: Any, carried: discovery.Carried
+    ) -> None:
         self._client = client
         self._booted = weakref.ref(booted)  # a dropped handle stops being followed
         self.declared: Declared = booted.declared
@@ -227,6 +230,10 @@ class Follower:
         #: How this worker's last mint ended, while the fleet goes on without it (kept in the reasons that follow).
         self._failed_here: str | None = None
         self._failures = 0
+        #: What the last serve of the declaration left for the next (the graph bound, each step's seconds).
+        self._carried = carried
+        #: When the feed last told of a publish for the declaration (``perf_counter``), for the upgrade's log line.
+        self._heard: float | None = None
 
     # events (the watcher's thread) -------------------------------------------------------------
 
@@ -248,6 +255,7 @@ class Follower:
             if booted.compiled and loaded is not None and (loaded.key, loaded.repo) == (event.key, event.repo):
                 self._yanked(booted, event.reason or "no reason given")
         elif event.kind == "published" and not booted.compiled and self.matches(event):
+            self._heard = time.perf_counter()
             self.wake()
 
     def _yanked(self, booted: Booted, reason: str) -> None:
@@ -329,17 +337,38 @@ class Follower:
         if not self.claiming:
             self._upgrade(booted)
             return None
+        if self._heard is not None and self._upgrade(booted):  # a publish for it was heard: no claim to ask first
+            return None
         return self.claim_step(booted)
 
     def _upgrade(self, booted: Booted) -> bool:
         """Serve the declaration again; switch the handle in place when it comes back compiled."""
-        fresh = discovery.serve_declared(self._client, self.declared)
+        known = booted.declared.graph if booted.declared is not None else None
+        if known is not None and known != self.declared.graph:  # a confirmation measured it since
+            self.declared = replace(self.declared, graph=known)
+        started = time.perf_counter()
+        fresh = discovery.serve_declared(self._client, self.declared, self._carried)
         if not fresh.compiled:
+            self._heard = None
             return False
         booted.adopt(fresh)
+        booted.declared = self.declared
         discovery.confirm_in_background(self._client, booted)
+        switched = time.perf_counter()
+        heard, self._heard = self._heard, None
+        phases = {"woken": started - heard} if heard is not None else {}
+        phases.update(self._carried.phases)
+        phases["switch"] = switched - started - sum(self._carried.phases.values())
+        steps = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items())
         log.info(
-            "cgstore: %s now serves %s from %s compiled", self.declared.family, fresh.loaded.key, fresh.loaded.repo
+            "cgstore: %s now serves %s from %s compiled (%.2f s%s: %s; confirmation %s)",
+            self.declared.family,
+            fresh.loaded.key,
+            fresh.loaded.repo,
+            switched - (heard if heard is not None else started),
+            " since the publish was heard" if heard is not None else "",
+            steps or "nothing to do",
+            booted.confirmation,
         )
         return True
 
@@ -480,15 +509,14 @@ def model_modules(model: Any) -> list[str]:
 
 
 def export_program(declared: Declared, dynamic_shapes: Any, path: Path) -> str:
-    """``torch.export`` the live model on the example inputs into ``path``; returns its graph digest."""
+    """``torch.export`` the live model on the example inputs into ``path``; returns its graph digest (as the
+    archive will hold it: :func:`discovery.serialized_graph_digest`)."""
     import torch
-
-    from cgstore_client.archive import graph_digest_from_program
 
     with discovery.model_lock(declared.model):  # eager calls of the model wait: the export fakes its tensors
         program = torch.export.export(declared.model, tuple(declared.example_inputs), dynamic_shapes=dynamic_shapes)
     torch.export.save(program, str(path))
-    return graph_digest_from_program(program)
+    return discovery.serialized_graph_digest(program)
 
 
 def _spawn(client: Any, job: dict[str, Any], log_path: Path) -> subprocess.Popen:
@@ -540,13 +568,14 @@ def boot(
             raise ConfigError("mint='on_miss' publishes what it mints: pass publish_to='OWNER/REPO'")
         split_repo(publish_to)
     declared = discovery.declare(family, model, mandatory=mandatory, example_inputs=example_inputs, **declaration)
-    booted = discovery.serve_declared(client, declared)
+    carried = discovery.Carried()
+    booted = discovery.serve_declared(client, declared, carried)
     discovery.confirm_in_background(client, booted)
     if not watch or client.offline:
         if mandatory and not booted.compiled:
             raise CompiledRequired({family: booted.reason or outcomes.MISS})
         return booted
-    follower = Follower(client, booted, publish_to if mint == "on_miss" else None, dynamic_shapes)
+    follower = Follower(client, booted, publish_to if mint == "on_miss" else None, dynamic_shapes, carried)
     booted.follower = follower  # the handle keeps its follower alive, not the other way round
     client.watcher.add(follower)
     if booted.compiled:
