@@ -213,6 +213,25 @@ class Settings(BaseSettings):
         description="events older than this are trimmed by the GC task (the newest is always kept); a cursor "
         "older than what is kept is answered 400 `BAD_REQUEST` (`detail.expired`): start again at `since=now`",
     )
+    mirror_preheat: bool = Field(
+        False,
+        description="on a mirror (`CGSTORE_UPSTREAM_URL` set): pull each record the upstream's events feed announces "
+        "as published, when it matches `CGSTORE_MIRROR_FAMILIES` / `CGSTORE_MIRROR_SM`, before any worker asks",
+    )
+    mirror_evict_after: int = Field(
+        0,
+        ge=0,
+        description="on a mirror: the GC task evicts mirrored records whose blobs no download served for this many seconds "
+        "(pulled again from the upstream on demand); 0: never evict",
+        json_schema_extra={"shown": "0 (never)"},
+    )
+    mirror_follow_wait_s: int = Field(
+        20,
+        ge=1,
+        le=30,
+        description="on a mirror: how long each long-poll of the upstream's events feed waits; upstream yanks are "
+        "applied within this + 1 s",
+    )
     log_level: str = Field("info", description="log level")
 
     @field_validator("public_url")

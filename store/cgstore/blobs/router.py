@@ -18,6 +18,7 @@ from cgstore.core.http import (
     parse_range,
     read_json,
 )
+from cgstore.mirror import eviction
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 
@@ -69,6 +70,8 @@ async def get_blob(
 ) -> Response:
     """Download a blob (ranges allowed; on S3, 307 to a presigned URL)."""
     location = await run_in_threadpool(service.locate, ctx, claims, owner, repo, digest)
+    if eviction.is_mirror(ctx):  # a mirror evicts what its workers stopped downloading
+        await run_in_threadpool(eviction.note_served, ctx, location.digest)
     url = await run_in_threadpool(service.download_url, ctx, location)
     if url is not None:
         return RedirectResponse(url, status_code=307, headers={"ETag": f'"{location.digest}"'})
