@@ -27,7 +27,7 @@ record against the upstream and yank those it no longer serves; events after
 the fresh cursor are read next, so nothing falls in between.
 
 An unreachable upstream is retried with a capped backoff (1 s doubling to
-``_MAX_BACKOFF_S``); the mirror keeps serving what it holds meanwhile
+``MAX_BACKOFF_S``); the mirror keeps serving what it holds meanwhile
 (``mirror.service``), and the lag (``cgstore_mirror_sync_lag_seconds``, the
 console's Storage page) grows until the feed answers again.
 """
@@ -38,40 +38,99 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+from typing import Any
 
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from cgstore.compiled_graphs import events
 from cgstore.context import StoreContext
-from cgstore.core.db import utcnow
-from cgstore.mirror import service, upstream
+from cgstore.core.db import Database, utcnow
+from cgstore.mirror import service
+from cgstore.mirror.models import FEED_CURSOR, MirrorState
+from cgstore.mirror.upstream import UpstreamRefused
 from cgstore.operations import leases
 from cgstore.operations.leases import HeldLease, LeaseLost
 from cgstore_client.wire.fleet import MAX_EVENTS_PAGE, EventsAnswer, RecordEvent
+from cgstore_client.wire.records import Record
 
 log = logging.getLogger(__name__)
 
-#: ``mirror_state`` keys this module owns.
-CURSOR = "feed_cursor"
+#: ``mirror_state`` names this module writes besides ``FEED_CURSOR``: when the follower last caught up with the
+#: upstream's feed, and when the long-poll it has open since then was sent (``sync_lag_s``).
 SYNCED_AT = "feed_synced_at"
 POLLING_SINCE = "feed_polling_since"
 #: Longest pause between attempts while the upstream is unreachable.
-_MAX_BACKOFF_S = 10.0
+MAX_BACKOFF_S = 10.0
 #: Preheat pulls running at once (each pull is itself parallel and single-flight).
-_PREHEAT_CONCURRENCY = 4
-#: Seconds added to the long-poll's wait for the upstream's answer to arrive.
-_ANSWER_SLACK_S = 10.0
+PREHEAT_CONCURRENCY = 4
+#: Seconds a long-poll's answer may take past its wait and the upstream timeout before it counts as lost.
+ANSWER_SLACK_S = 10.0
+#: The most mirrored records one resync re-checks (a registry past it resyncs the oldest; logged).
+RESYNC_LIMIT = 100_000
+#: The reason an upstream yank is applied with when the upstream no longer has the record at all.
+GONE_UPSTREAM = "no longer served by the upstream"
+
+
+# -- mirror_state -------------------------------------------------------------------------------
+
+
+def read_state(db: Database, name: str) -> dict[str, Any] | None:
+    """One named value of ``mirror_state`` (None when never written)."""
+    with db.session() as session:
+        row = session.get(MirrorState, name)
+        return dict(row.value) if row is not None else None
+
+
+def write_state(db: Database, name: str, value: dict[str, Any]) -> None:
+    """Write one named value (only the lease holder writes the follower's: no racing insert)."""
+    with db.session() as session:
+        session.merge(MirrorState(name=name, value=value, updated_at=utcnow()))
+
+
+def saved_cursor(db: Database) -> str | None:
+    """Where the follower resumes: the upstream feed's cursor after the last page applied (None: never followed)."""
+    value = read_state(db, FEED_CURSOR)
+    return value.get("cursor") if value else None
+
+
+def _at(db: Database, name: str) -> dt.datetime | None:
+    value = read_state(db, name)
+    return dt.datetime.fromisoformat(value["at"]) if value and value.get("at") else None
+
+
+def sync_lag_s(ctx: StoreContext, now: dt.datetime | None = None) -> float:
+    """How far behind the upstream's feed this mirror is (whichever replica follows); NaN before the first contact.
+
+    0 while a long-poll sent after catching up is open (bounded by its wait,
+    the upstream timeout and a slack, so a follower that died stops counting as
+    in sync); otherwise the seconds since the follower last caught up.
+    """
+    now = now or utcnow()
+    polling = _at(ctx.db, POLLING_SINCE)
+    bound = ctx.settings.mirror_follow_wait_s + ctx.settings.upstream_timeout_s + ANSWER_SLACK_S
+    if polling is not None and (now - polling).total_seconds() <= bound:
+        return 0.0
+    synced = _at(ctx.db, SYNCED_AT)
+    if synced is None:
+        return float("nan")
+    return max(0.0, (now - synced).total_seconds())
+
+
+# -- following ----------------------------------------------------------------------------------
 
 
 class Follower:
-    """The state of one replica's follower: what it holds in memory beyond ``mirror_state``."""
+    """One replica's follower: the lease loop, the preheats in flight, whether the last answer caught up."""
 
     def __init__(self, ctx: StoreContext) -> None:
+        assert ctx.mirror is not None, "only a mirror follows an upstream"
         self.ctx = ctx
+        self.upstream = ctx.mirror.upstream
         self.preheating: set[tuple[str, str, str]] = set()
         self.preheat_tasks: set[asyncio.Task] = set()
-        self.preheat_slots = asyncio.Semaphore(_PREHEAT_CONCURRENCY)
-        #: Whether the last answer emptied the upstream's feed (the next long-poll waits in sync).
+        self.preheat_slots = asyncio.Semaphore(PREHEAT_CONCURRENCY)
+        #: Whether the last answer emptied the upstream's feed (the next long-poll then waits in sync).
         self.caught_up = False
 
     async def run(self) -> None:
@@ -83,7 +142,7 @@ class Follower:
                 lease = await run_in_threadpool(
                     leases.acquire, ctx.db, leases.MIRROR_FOLLOW, ctx.instance, ctx.settings.lease_ttl_s
                 )
-                if lease is None:  # another replica follows; check again before its lease could lapse
+                if lease is None:  # another replica follows; look again well before its lease could lapse
                     await asyncio.sleep(min(5.0, ctx.settings.lease_ttl_s / 3))
                     continue
                 try:
@@ -91,14 +150,12 @@ class Follower:
                     backoff = 1.0
                 except LeaseLost:
                     log.warning("lost the %s lease; its new holder follows the upstream", leases.MIRROR_FOLLOW)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as error:  # an outage must not kill the loop: retry, backing off
+                except Exception as error:  # an outage must not end the loop: retry, backing off
                     log.warning(
-                        "following the upstream's events feed failed (%s); again in %.0f s", _why(error), backoff
+                        "mirror: following the upstream's feed failed (%s); again in %.0f s", _why(error), backoff
                     )
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
         finally:
             for task in self.preheat_tasks:
                 task.cancel()
@@ -106,51 +163,57 @@ class Follower:
     async def round(self, lease: HeldLease) -> None:
         """One long-poll of the upstream's feed and its events applied; the cursor saved after them."""
         ctx = self.ctx
-        cursor = await run_in_threadpool(service.state_get, ctx, CURSOR)
-        if cursor is None:
-            # The first contact: start at the upstream's head (what was published before is pulled on demand).
-            cursor = events.SINCE_NOW
+        cursor = await run_in_threadpool(saved_cursor, ctx.db)
         if self.caught_up:
-            await run_in_threadpool(service.state_put, ctx, POLLING_SINCE, utcnow().isoformat())
+            await run_in_threadpool(write_state, ctx.db, POLLING_SINCE, {"at": utcnow().isoformat()})
         try:
-            answer = await self.poll(cursor)
-        except upstream.CursorExpired:
-            await self.resync(lease)
+            # The first contact (no cursor) starts at the upstream's head: what came before is pulled on demand.
+            answer = await self.poll(cursor or events.SINCE_NOW, ctx.settings.mirror_follow_wait_s)
+        except UpstreamRefused as error:
+            if error.status != 400 or cursor is None:
+                raise
+            # Expired (the outage outlasted the upstream's retention) or not ours any more: resync.
+            await self.resync(lease, error)
             return
         except BaseException:
             self.caught_up = False
             with contextlib.suppress(Exception):
-                await run_in_threadpool(service.state_put, ctx, POLLING_SINCE, None)
+                await run_in_threadpool(write_state, ctx.db, POLLING_SINCE, {"at": None})
             raise
         await self.apply(answer.events)
-        self.caught_up = _caught_up(answer)
-        await run_in_threadpool(self.save, lease, answer, utcnow() if self.caught_up else None)
+        self.caught_up = len(answer.events) < MAX_EVENTS_PAGE
+        await run_in_threadpool(self.save, lease, answer.next, self.caught_up)
 
-    async def poll(self, since: str) -> EventsAnswer:
-        """One long-poll of the upstream's feed (bounded: the wait plus a slack)."""
-        wait = self.ctx.settings.mirror_follow_wait_s
-        client = service.upstream_client(self.ctx)
-        return await asyncio.wait_for(
-            run_in_threadpool(client.events, since, wait), timeout=wait + _ANSWER_SLACK_S + client.timeout_s
-        )
+    async def poll(self, since: str, wait: int) -> EventsAnswer:
+        """One long-poll of the upstream's feed, bounded (the upstream client's timeouts, and a slack on top)."""
+        bound = wait + 2 * self.ctx.settings.upstream_timeout_s + ANSWER_SLACK_S
+        document = await asyncio.wait_for(run_in_threadpool(self.upstream.events, since, wait), timeout=bound)
+        try:
+            return EventsAnswer.model_validate(document)
+        except ValidationError:
+            raise UpstreamRefused("GET /v1/compiled-graphs:events: not an events answer", 502) from None
 
-    def save(self, lease: HeldLease, answer: EventsAnswer, synced_at: dt.datetime | None) -> None:
+    def save(self, lease: HeldLease, cursor: str, caught_up: bool) -> None:
         """Renew the lease (``LeaseLost`` if another replica follows now), then save the cursor (and sync time)."""
         lease.renew()
-        service.state_put(self.ctx, CURSOR, answer.next)
-        if synced_at is not None:
-            service.state_put(self.ctx, SYNCED_AT, synced_at.isoformat())
+        write_state(self.ctx.db, FEED_CURSOR, {"cursor": cursor})
+        if caught_up:
+            write_state(self.ctx.db, SYNCED_AT, {"at": utcnow().isoformat()})
 
     async def apply(self, page: list[RecordEvent]) -> None:
         """Apply a page of upstream events, in order (yanks at once; preheats started in the background)."""
+        ctx = self.ctx
         for event in page:
             owner, _, repo = event.repo.partition("/")
             if event.kind == events.YANKED:
-                await run_in_threadpool(service.apply_yank, self.ctx, owner, repo, event.key, event.reason or "")
+                applied = await run_in_threadpool(service.apply_yank, ctx, owner, repo, event.key, event.reason or "")
+                if applied:
+                    log.info("mirror: applied the upstream's yank of %s:%s", event.repo, event.key)
             elif event.kind == events.PUBLISHED:
-                await run_in_threadpool(service.forget_miss, self.ctx, owner, repo, event.key)
+                # A worker that missed before the publish finds it on its next resolve, not after the miss's TTL.
+                forget_misses(ctx, owner, repo, event.family, event.key)
                 self.preheat(owner, repo, event)
-            self.ctx.metrics.mirror_feed_events.labels(event.kind).inc()
+            ctx.metrics.mirror_feed_events.labels(event.kind).inc()
 
     def preheat(self, owner: str, repo: str, event: RecordEvent) -> None:
         """Pull the announced record in the background, when preheating is on and the filters take it."""
@@ -173,52 +236,66 @@ class Follower:
         try:
             async with self.preheat_slots:
                 pulled = await run_in_threadpool(service.pull_record, self.ctx, owner, repo, key)
-            # A record whose platform the filters refuse (``CGSTORE_MIRROR_SM``) is not pulled: no blob crosses.
+            # Not pulled: the record's platform is filtered out (``CGSTORE_MIRROR_SM``), or it is gone already.
             self.ctx.metrics.mirror_preheats.labels("pulled" if pulled else "filtered").inc()
         except Exception as error:  # the next worker's resolve pulls it on demand
             self.ctx.metrics.mirror_preheats.labels("failed").inc()
-            log.warning("preheating %s/%s %s failed: %s", owner, repo, key, _why(error))
+            log.warning("mirror: preheating %s/%s:%s failed: %s", owner, repo, key, _why(error))
         finally:
             self.preheating.discard(job)
 
-    async def resync(self, lease: HeldLease) -> None:
-        """The saved cursor is too old: a fresh one at the upstream's head, then every mirrored record re-checked."""
+    async def resync(self, lease: HeldLease, error: Exception) -> None:
+        """The saved cursor was refused: a fresh one at the upstream's head first, then every mirrored record
+        re-checked against the upstream (those it no longer serves yanked here); nothing falls in between."""
         ctx = self.ctx
-        log.warning("the upstream refused the saved feed cursor as too old: re-checking every mirrored record")
+        log.warning("mirror: the upstream refused the saved feed cursor (%s): re-checking every mirrored record", error)
         ctx.metrics.mirror_resyncs.inc()
-        fresh = await run_in_threadpool(service.upstream_client(ctx).events, events.SINCE_NOW, 0)
-        yanked = await run_in_threadpool(service.recheck_all, ctx, lease.renew)
+        fresh = await self.poll(events.SINCE_NOW, 0)
+        yanked = await run_in_threadpool(recheck_all, ctx, lease.renew)
         if yanked:
-            log.warning("resync: %d mirrored records the upstream no longer serves were yanked here", yanked)
-        await run_in_threadpool(self.save, lease, fresh, utcnow())
+            log.warning("mirror: resync yanked %d mirrored records the upstream no longer serves", yanked)
+        self.caught_up = False
+        await run_in_threadpool(self.save, lease, fresh.next, True)
 
 
-def _caught_up(answer: EventsAnswer) -> bool:
-    """A page short of full: the upstream had nothing more when it answered."""
-    return len(answer.events) < MAX_EVENTS_PAGE
+def recheck_all(ctx: StoreContext, heartbeat=None) -> int:
+    """Ask the upstream for every live mirrored record; yank here those it yanked or no longer has. How many."""
+    rows = service.mirrored_rows(ctx, RESYNC_LIMIT)
+    if len(rows) == RESYNC_LIMIT:
+        log.warning("mirror: resync re-checks the oldest %d mirrored records only", RESYNC_LIMIT)
+    yanked = 0
+    for owner, repo, key in rows:
+        reason = yank_reason_upstream(ctx, owner, repo, key)
+        if reason is not None and service.apply_yank(ctx, owner, repo, key, reason):
+            yanked += 1
+        if heartbeat is not None:
+            heartbeat()
+    return yanked
 
 
-def sync_lag_s(ctx: StoreContext, now: dt.datetime | None = None) -> float:
-    """How far behind the upstream's feed this mirror is (whichever replica follows); NaN before the first contact.
+def yank_reason_upstream(ctx: StoreContext, owner: str, repo: str, key: str) -> str | None:
+    """Why the upstream no longer serves ``owner/repo:key`` (its yank's reason, or gone); None while it does."""
+    document = ctx.mirror.upstream.record(owner, repo, key)
+    if document is None:
+        return GONE_UPSTREAM
+    try:
+        record = Record.model_validate(document)
+    except ValidationError:
+        return None  # not an answer to act on: the record stays until the upstream says otherwise
+    if record.yank is None:
+        return None
+    return record.yank.reason or "yanked upstream"
 
-    0 while a long-poll sent after catching up is open (bounded by its wait and
-    slack, so a follower that died stops counting as in sync); otherwise the
-    seconds since the follower last caught up.
-    """
-    now = now or utcnow()
-    polling = service.state_get(ctx, POLLING_SINCE)
-    if polling is not None:
-        bound = ctx.settings.mirror_follow_wait_s + _ANSWER_SLACK_S
-        if (now - dt.datetime.fromisoformat(polling)).total_seconds() <= bound:
-            return 0.0
-    synced = service.state_get(ctx, SYNCED_AT)
-    if synced is None:
-        return float("nan")
-    return max(0.0, (now - dt.datetime.fromisoformat(synced)).total_seconds())
+
+def forget_misses(ctx: StoreContext, owner: str, repo: str, family: str, key: str) -> None:
+    """Drop the remembered upstream misses of a record just published there (its key, and the record itself)."""
+    negatives = ctx.mirror.negatives
+    negatives.forget(("key", family, key))
+    negatives.forget(("record", owner, repo, key))
 
 
 def _why(error: BaseException) -> str:
-    """An error for a log line: its type and message (never a URL with credentials: the upstream token is a header)."""
+    """An error for a log line: its type and message (the upstream token is a header, never in a message)."""
     return f"{type(error).__name__}: {error}"
 
 
