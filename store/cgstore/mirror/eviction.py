@@ -37,7 +37,8 @@ TOUCH_EVERY_S = 60.0
 #: Records removed per transaction.
 BATCH = 200
 
-_touched: dict[str, float] = {}
+#: (the store's database, digest) -> when this process last wrote it: several apps may share a process (tests).
+_touched: dict[tuple[int, str], float] = {}
 _touched_lock = threading.Lock()
 
 
@@ -52,11 +53,12 @@ def note_served(ctx: StoreContext, digest: str) -> None:
         return
     now = time.monotonic()
     with _touched_lock:
-        if now - _touched.get(digest, -TOUCH_EVERY_S) < TOUCH_EVERY_S:
+        seen = (id(ctx.db), digest)
+        if now - _touched.get(seen, -TOUCH_EVERY_S) < TOUCH_EVERY_S:
             return
         if len(_touched) > 100_000:  # bounded: forgetting only costs one more (conditional) write
             _touched.clear()
-        _touched[digest] = now
+        _touched[seen] = now
     at = utcnow()
     stale = at - dt.timedelta(seconds=TOUCH_EVERY_S)
     with ctx.db.session() as session:

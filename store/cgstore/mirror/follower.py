@@ -168,7 +168,9 @@ class Follower:
             await run_in_threadpool(write_state, ctx.db, POLLING_SINCE, {"at": utcnow().isoformat()})
         try:
             # The first contact (no cursor) starts at the upstream's head: what came before is pulled on demand.
-            answer = await self.poll(cursor or events.SINCE_NOW, ctx.settings.mirror_follow_wait_s)
+            # (That first poll waits for nothing: the cursor, and the sync time, are saved at once.)
+            wait = ctx.settings.mirror_follow_wait_s if cursor is not None else 0
+            answer = await self.poll(cursor or events.SINCE_NOW, wait)
         except UpstreamRefused as error:
             if error.status != 400 or cursor is None:
                 raise
