@@ -89,6 +89,32 @@ class Metrics:
             registry=self.registry,
         )
 
+        # A regional mirror's (docs/operations.md "Regional mirrors"); on any other store they stay 0 / NaN.
+        self.mirror_upstream_up = Gauge(
+            "cgstore_mirror_upstream_up",
+            "On a mirror: 1 while its upstream answers, 0 while it does not (NaN: not a mirror, or not asked yet).",
+            registry=self.registry,
+        )
+        self.mirror_pulled_bytes = Counter(
+            "cgstore_mirror_pulled_bytes_total",
+            "Blob bytes a mirror pulled from its upstream (verified and stored).",
+            registry=self.registry,
+        )
+        self.mirror_pulls_refused = Counter(
+            "cgstore_mirror_pulls_refused_total",
+            "Records a mirror refused to store: a blob, receipt or key that failed verification.",
+            registry=self.registry,
+        )
+        self.mirror_alarms = Counter(
+            "cgstore_mirror_alarms_total",
+            "Times a mirror refused a key set its upstream served that no trusted key vouches for.",
+            registry=self.registry,
+        )
+
+    def watch_upstream(self, up: Callable[[], float]) -> None:
+        """Read whether a mirror's upstream answers at scrape time (per process)."""
+        self.mirror_upstream_up.set_function(up)
+
     def count_resolve(self, family: str, hits: int, misses: int) -> None:
         """Hits and misses of one resolve, labelled by family only if the family is allow-listed."""
         label = family if family in self.family_labels else OTHER_FAMILY
