@@ -89,7 +89,29 @@ class Metrics:
             registry=self.registry,
         )
 
-        # A mirror's follower (``mirror/follower.py``) and eviction (``mirror/eviction.py``); zero off a mirror.
+        # A regional mirror's (docs/operations.md "Regional mirrors"); on any other store they stay 0 / NaN.
+        self.mirror_upstream_up = Gauge(
+            "cgstore_mirror_upstream_up",
+            "On a mirror: 1 while its upstream answers, 0 while it does not (NaN: not a mirror, or not asked yet).",
+            registry=self.registry,
+        )
+        self.mirror_pulled_bytes = Counter(
+            "cgstore_mirror_pulled_bytes_total",
+            "Blob bytes a mirror pulled from its upstream (verified and stored).",
+            registry=self.registry,
+        )
+        self.mirror_pulls_refused = Counter(
+            "cgstore_mirror_pulls_refused_total",
+            "Records a mirror refused to store: a blob, receipt or key that failed verification.",
+            registry=self.registry,
+        )
+        self.mirror_alarms = Counter(
+            "cgstore_mirror_alarms_total",
+            "Times a mirror refused a key set its upstream served that no trusted key vouches for.",
+            registry=self.registry,
+        )
+
+        # Its follower (``mirror/follower.py``) and eviction (``mirror/eviction.py``); zero off a mirror.
         self.mirror_feed_events = Counter(
             "cgstore_mirror_feed_events_total",
             "Events of the upstream's record events feed a mirror applied, by kind (published, yanked).",
@@ -119,6 +141,10 @@ class Metrics:
             "Mirrored records evicted, unused for CGSTORE_MIRROR_EVICT_AFTER (pulled again on demand).",
             registry=self.registry,
         )
+
+    def watch_upstream(self, up: Callable[[], float]) -> None:
+        """Read whether a mirror's upstream answers at scrape time (per process)."""
+        self.mirror_upstream_up.set_function(up)
 
     def watch_mirror_lag(self, lag: Callable[[], float]) -> None:
         """Read the mirror's sync lag from the database at scrape time (whichever replica follows)."""
