@@ -86,5 +86,5 @@ def test_eviction_is_off_by_default_and_never_takes_what_the_store_admitted_itse
     # With eviction on, a row this store admitted (origin NULL) is never a candidate.
     with ctx.db.session() as session:
         session.execute(update(CompiledGraph).where(CompiledGraph.key == pub.key).values(origin=None))
-    assert eviction.evict(evicting(mirror), now=far_future).records == 0
+    assert pub.key not in eviction.evict(evicting(mirror), now=far_future).keys  # (other tests' records go)
     assert live_row(mirror, pub.key) is not None

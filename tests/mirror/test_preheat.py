@@ -41,5 +41,6 @@ def test_a_record_published_upstream_is_on_the_mirror_before_any_worker_asks(ups
     # A worker now resolves it from the mirror's own rows: the upstream sends the blob no second time.
     with mirror.live.client(mirror.worker) as client:
         assert resolve(client, pub.key)["status"] == "hit"
-        assert client.get(f"/v1/repos/{OWNER}/{repo}/blobs/{pub.artifact.digest}").status_code == 200
+        got = client.get(f"/v1/repos/{OWNER}/{repo}/blobs/{pub.artifact.digest}", follow_redirects=True)
+        assert got.status_code == 200 and len(got.content) == pub.artifact.size
     assert upstream.tap.blob_bytes(pub.artifact.digest) - sent_before == pub.artifact.size
