@@ -38,6 +38,20 @@ def next_events(mirror, since: str, wait_s: float) -> list[dict]:
         return answer.json()["events"]
 
 
+def storage_page(mirror) -> str:
+    """The console's Storage page of the mirror, as its admin sees it."""
+    admin = mirror.live.mint("mirror-admin", "*/*:admin")
+    with httpx.Client(base_url=mirror.base_url, timeout=60) as console:
+        assert console.post("/console/login", data={"token": admin}).status_code == 303
+        page = console.get("/console/storage")
+        assert page.status_code == 200, page.text
+        return page.text
+
+
+def upstream_section(page: str) -> str:
+    return page[page.index('<section class="upstream">') :].split("</section>", 1)[0]
+
+
 def pulled(upstream, mirror, repo: str):
     """A record published upstream and pulled through the mirror (a worker's resolve)."""
     pub = upstream.publish(repo)
@@ -84,12 +98,20 @@ def test_a_yank_made_during_an_outage_is_applied_when_the_upstream_is_back(upstr
         # The mirror cannot know yet: it still serves its copy, and its lag grows.
         wait_until(lambda: follower.sync_lag_s(mirror.live.context) > 0, 30, "the follower to notice the outage")
         assert held_live(mirror, repo, pub.key)
+        # The console shows the mirror degraded and its lag growing; the upstream's URL, never its token.
+        with mirror.live.client(mirror.worker) as client:
+            assert resolve(client, "ck1-" + "0" * 56)["status"] == "miss"  # asks the upstream: unreachable
+        shown = upstream_section(storage_page(mirror))
+        assert "degraded" in shown and mirror.live.settings.upstream_url in shown
+        assert mirror.upstream_token not in shown
     finally:
         mirror.proxy.restore()
     # Resumed from the saved cursor: the yank lands (the follower's backoff is at most 10 s).
     wait_until(lambda: not held_live(mirror, repo, pub.key), 15, "the yank to land")
     assert held_live(mirror, kept_repo, kept.key)
     in_sync(mirror)
+    shown = upstream_section(storage_page(mirror))
+    assert "degraded" not in shown and "0.0 s" in shown
 
 
 def test_a_refused_cursor_is_replaced_by_a_resync_that_yanks_what_the_upstream_no_longer_serves(upstream, mirror):

@@ -48,7 +48,7 @@ from cgstore.context import StoreContext
 from cgstore.core.db import Database, utcnow
 from cgstore.mirror import service
 from cgstore.mirror.models import FEED_CURSOR, MirrorState
-from cgstore.mirror.upstream import UpstreamRefused
+from cgstore.mirror.upstream import UpstreamRefused, UpstreamUnavailable
 from cgstore.operations import leases
 from cgstore.operations.leases import HeldLease, LeaseLost
 from cgstore_client.wire.fleet import MAX_EVENTS_PAGE, EventsAnswer, RecordEvent
@@ -189,7 +189,13 @@ class Follower:
     async def poll(self, since: str, wait: int) -> EventsAnswer:
         """One long-poll of the upstream's feed, bounded (the upstream client's timeouts, and a slack on top)."""
         bound = wait + 2 * self.ctx.settings.upstream_timeout_s + ANSWER_SLACK_S
-        document = await asyncio.wait_for(run_in_threadpool(self.upstream.events, since, wait), timeout=bound)
+        runtime = self.ctx.mirror
+        try:
+            document = await asyncio.wait_for(run_in_threadpool(self.upstream.events, since, wait), timeout=bound)
+        except (UpstreamUnavailable, TimeoutError) as error:
+            runtime.failed(_why(error))  # the mirror shows itself degraded (``/healthz``, metrics, console)
+            raise
+        runtime.answered()  # and well again as soon as the feed answers
         try:
             return EventsAnswer.model_validate(document)
         except ValidationError:
