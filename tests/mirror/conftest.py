@@ -50,7 +50,10 @@ def upstream(request, tmp_path_factory, s3_server, pt2_archive):
         yield store
 
 
-def _start_mirror(stack, request, tmp_path_factory, upstream: UpstreamStore, configuration: str, **overrides):
+def _start_mirror(
+    stack, request, tmp_path_factory, upstream: UpstreamStore, configuration: str, via: str | None = None, **overrides
+):
+    """A mirror of ``upstream`` reached through a ``CuttableProxy`` (or at ``via``, e.g. a ``HostileProxy``)."""
     home = tmp_path_factory.mktemp(f"mirror-{configuration}")
     proxy = CuttableProxy(int(upstream.base_url.rsplit(":", 1)[1]))
     stack.callback(proxy.close)
@@ -62,7 +65,7 @@ def _start_mirror(stack, request, tmp_path_factory, upstream: UpstreamStore, con
     overrides.setdefault("mirror_negative_ttl_s", 1.0)
     settings_fields = dict(
         home=home,
-        upstream_url=f"http://127.0.0.1:{proxy.port}",
+        upstream_url=via or f"http://127.0.0.1:{proxy.port}",
         upstream_token_file=token_file,
         reaper_interval_s=3600,
         metrics_token=secrets.token_urlsafe(24),
@@ -90,8 +93,9 @@ def mirror(request, tmp_path_factory, upstream):
 
 @pytest.fixture
 def make_mirror(request, tmp_path_factory, upstream):
-    """Start another mirror of ``upstream``: ``make_mirror("embedded", mirror_families="flux-*")``."""
+    """Start another mirror of ``upstream``: ``make_mirror("embedded", mirror_families="flux-*")``;
+    ``via=url``: reach the upstream at that URL (a proxy of it)."""
     with contextlib.ExitStack() as stack:
-        yield lambda configuration, **overrides: _start_mirror(
-            stack, request, tmp_path_factory, upstream, configuration, **overrides
+        yield lambda configuration, via=None, **overrides: _start_mirror(
+            stack, request, tmp_path_factory, upstream, configuration, via, **overrides
         )

@@ -1,22 +1,160 @@
-"""A cold mirror pulls a record once, verified, and serves it (issue 27 §2: 8 workers, each blob served once)."""
+"""A cold mirror pulls each record and blob from its upstream once, verified, and serves them (issue 27 §1, §2).
+
+The first test runs on the module's cold mirror: the blobs of the session's
+archive are not on it yet, so the upstream's tap sees exactly what its pull cost.
+"""
 
 from __future__ import annotations
 
-from tests.mirror.support import OWNER, resolve
+import concurrent.futures
+import os
+import subprocess
+import sys
+import threading
+
+import httpx
+
+from cgstore.mirror import trust
+from cgstore_client.receipts import verify_jws_receipt
+from cgstore_client.worker.client import Client
+from tests.compiled_graphs.support import digest_of, upload
+from tests.mirror.support import MIRROR_FAMILY, OWNER, resolve
 from tests.support.live_store import unique_repo
 
+WORKERS = 8
 
-def test_a_resolve_miss_is_pulled_from_the_upstream_and_served(upstream, mirror):
+
+def test_eight_workers_booting_through_a_cold_mirror_cost_the_upstream_each_blob_once(upstream, mirror, tmp_path):
+    repo = unique_repo("boot")
+    pub = upstream.publish(repo)
+    blobs = {pub.artifact.digest: pub.artifact.size, **{b.digest: b.size for b in pub.components.values()}}
+    served_before = {digest: upstream.tap.blob_bytes(digest) for digest in blobs}
+    resolves_before = upstream.tap.count("POST", "/v1/compiled-graphs:resolve")
+    records_before = upstream.tap.count("GET", pub.path(OWNER, repo))
+    upstream_keys = upstream.jwks()
+    start = threading.Barrier(WORKERS)
+
+    def boot(n: int) -> dict:
+        # A worker pinning the upstream's keys: what it verifies, the upstream admitted.
+        with Client(mirror.base_url, mirror.worker, cache_dir=tmp_path / f"w{n}", trusted_jwks=upstream_keys) as w:
+            start.wait(30)
+            (hit,) = w.resolve(MIRROR_FAMILY, [pub.key])
+            assert hit["status"] == "hit", hit
+            verify_jws_receipt(hit, hit["receipt"], w.jwks())
+            for blob in [hit["artifact"], *hit["components"]]:
+                assert digest_of(w.fetch_blob(hit["repo"], blob["digest"], blob["size"]).read_bytes()) == blob["digest"]
+            return hit
+
+    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+        hits = list(pool.map(boot, range(WORKERS)))
+    assert {hit["receipt"] for hit in hits} == {hits[0]["receipt"]}
+    # The upstream served each blob's bytes exactly once, one resolve and one record read.
+    assert {d: upstream.tap.blob_bytes(d) - served_before[d] for d in blobs} == blobs
+    assert upstream.tap.count("POST", "/v1/compiled-graphs:resolve") - resolves_before == 1
+    assert upstream.tap.count("GET", pub.path(OWNER, repo)) - records_before == 1
+    status = mirror.runtime
+    assert status.reachable is True and status.records_pulled >= 1 and status.bytes_pulled >= sum(blobs.values())
+
+
+def test_the_pulled_record_keeps_the_upstream_receipt_and_origin(upstream, mirror):
     repo = unique_repo("pull")
     pub = upstream.publish(repo)
     with mirror.live.client(mirror.worker) as client:
-        hit = resolve(client, pub.key)
-        assert hit["status"] == "hit", hit
-        assert hit["repo"] == f"{OWNER}/{repo}"
-        assert hit["artifact"]["digest"] == pub.artifact.digest
-        record = client.get(pub.path(OWNER, repo))
+        since = client.get("/v1/compiled-graphs:events", params={"family": MIRROR_FAMILY}).json()["next"]
+        record = client.get(pub.path(OWNER, repo))  # a record GET pulls too
         assert record.status_code == 200, record.text
+        hit = resolve(client, pub.key)
     with upstream.live.client(upstream.publisher) as client:
         original = client.get(pub.path(OWNER, repo)).json()
-    # The upstream's receipt, unchanged: it verifies against the upstream's keys.
+    assert hit["status"] == "hit" and hit["repo"] == f"{OWNER}/{repo}"
     assert hit["receipt"] == original["receipt"] == record.json()["receipt"]
+    assert record.json()["manifest"] == original["manifest"]
+    assert record.json()["publisher"] == original["publisher"]
+    from sqlalchemy import select
+
+    from cgstore.compiled_graphs.models import CompiledGraph
+
+    with mirror.live.context.db.session() as session:
+        origin = session.scalar(select(CompiledGraph.origin).where(CompiledGraph.key == pub.key))
+    assert origin == mirror.live.settings.upstream_url
+    # The mirror's own feed tells its workers of the pulled record.
+    with mirror.live.client(mirror.worker) as client:
+        events = client.get("/v1/compiled-graphs:events", params={"family": MIRROR_FAMILY, "since": since}).json()
+    assert any(e["key"] == pub.key and e["kind"] == "published" for e in events["events"]), events
+
+
+def test_discover_pulls_the_records_of_a_declaration(upstream, mirror):
+    repo = unique_repo("disc")
+    pub = upstream.publish(repo)
+    axes = pub.manifest["axes"]
+    declaration = {
+        "family": MIRROR_FAMILY,
+        "envelope": axes["envelope"],
+        "sm": axes["sm"],
+        "toolchain": axes["toolchain"],
+    }
+    with mirror.live.client(mirror.worker) as client:
+        answer = client.post("/v1/compiled-graphs:discover", json=declaration)
+    assert answer.status_code == 200, answer.text
+    assert [c["key"] for c in answer.json()["candidates"]] == [pub.key]
+
+
+def test_a_blob_get_pulls_the_blob(upstream, mirror):
+    repo = unique_repo("blob")
+    data = b"mirror blob " + repo.encode() * 1000
+    blob = type("B", (), {"data": data, "digest": digest_of(data), "size": len(data)})()
+    with upstream.live.client(upstream.publisher) as client:
+        upload(client, OWNER, repo, blob)
+    with mirror.live.client(mirror.worker, follow_redirects=True) as client:
+        answer = client.get(f"/v1/repos/{OWNER}/{repo}/blobs/{blob.digest}")
+        assert answer.status_code == 200 and answer.content == data
+        ranged = client.get(f"/v1/repos/{OWNER}/{repo}/blobs/{blob.digest}", headers={"Range": "bytes=3-9"})
+        assert ranged.content == data[3:10]
+        absent = client.get(f"/v1/repos/{OWNER}/{repo}/blobs/{digest_of(b'nowhere' + data)}")
+        assert absent.status_code == 404 and "upstream" not in absent.json()["error"]["detail"]
+
+
+def test_an_upstream_miss_is_remembered_briefly(upstream, mirror):
+    key = "ck1-" + "7" * 56
+    before = upstream.tap.count("POST", "/v1/compiled-graphs:resolve")
+    with mirror.live.client(mirror.worker) as client:
+        for _ in range(3):
+            assert resolve(client, key) == {"key": key, "status": "miss"}
+    assert upstream.tap.count("POST", "/v1/compiled-graphs:resolve") - before == 1
+
+
+def test_a_mirror_pulls_only_what_its_filters_and_its_readers_want(upstream, mirror, make_mirror):
+    repo = unique_repo("filt")
+    pub = upstream.publish(repo)
+    reads = upstream.tap.count("GET", pub.path(OWNER, repo))
+    stranger = mirror.live.mint("stranger", "other/*:read")
+    with mirror.live.client(stranger) as client:
+        assert resolve(client, pub.key)["status"] == "miss"
+        assert client.get(pub.path(OWNER, repo)).status_code == 404
+    narrow = make_mirror("embedded", mirror_families="flux-*,sdxl")
+    with narrow.live.client(narrow.worker) as client:
+        assert resolve(client, pub.key)["status"] == "miss"
+    # Nothing pulled for a reader who could not read it, nor for a family the filters leave out.
+    assert upstream.tap.count("GET", pub.path(OWNER, repo)) == reads
+    globbed = make_mirror("embedded", mirror_families="flux-*, mirror-*", mirror_sm="sm_*,x86*,arm*,cpu*")
+    with globbed.live.client(globbed.worker) as client:
+        assert resolve(client, pub.key)["status"] == "hit"
+
+
+def test_cgstore_mirror_trust_refuses_an_unexpected_fingerprint(upstream, mirror):
+    settings = mirror.live.settings
+    env = {
+        **os.environ,
+        "CGSTORE_HOME": str(settings.home),
+        "CGSTORE_UPSTREAM_URL": settings.upstream_url,
+        "CGSTORE_UPSTREAM_TOKEN_FILE": str(settings.upstream_token_file),
+        **({"CGSTORE_DATABASE_URL": settings.database_url} if settings.database_url else {}),
+    }
+    cli = [sys.executable, "-m", "cgstore.cli", "mirror"]
+    good = trust.fingerprint(upstream.jwks())
+    refused = subprocess.run([*cli, "trust", "--expect", "sha256:" + "0" * 64], env=env, capture_output=True, text=True)
+    assert refused.returncode == 1 and good in refused.stderr
+    trusted = subprocess.run([*cli, "trust", "--expect", good], env=env, capture_output=True, text=True)
+    assert trusted.returncode == 0 and trusted.stdout.strip() == good, trusted.stderr
+    assert httpx.get(f"{mirror.base_url}/healthz").json()["mirror"]["trusted_fingerprint"] == good
+    assert mirror.upstream_token not in refused.stdout + refused.stderr + trusted.stdout + trusted.stderr

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+import jwt
 from pydantic import ValidationError
 from pydantic_core import to_json
 from sqlalchemy import select, update
@@ -125,9 +126,14 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     if flight_key in runtime.negatives:
         return answer
     try:
+        if not runtime.worth_asking():
+            raise UpstreamUnavailable("the upstream is down")
         found = _ask(runtime, flight_key, lambda: runtime.upstream.discover(declaration))
     except UpstreamUnavailable:
         return to_json({**document, "detail": UNAVAILABLE})
+    except UpstreamRefused as err:
+        log.warning("mirror: the upstream refused a discover: %s", err)
+        return answer
     pulled = 0
     for candidate in found.get("candidates") or []:
         owner, _, name = str(candidate.get("repo", "")).partition("/")
@@ -262,8 +268,6 @@ def _verified(ctx: StoreContext, runtime: MirrorRuntime, document: dict, owner: 
             raise _refused(ctx, owner, repo, key, f"receipt refused: {err}") from None
     except ReceiptInvalid as err:
         raise _refused(ctx, owner, repo, key, f"receipt refused: {err}") from None
-    import jwt  # the receipt verified: its header is well formed
-
     return str(jwt.get_unverified_header(document["receipt"]).get("kid"))[:16]
 
 
