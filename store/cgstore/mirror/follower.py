@@ -20,8 +20,9 @@ The feed's cursor is saved in ``mirror_state`` after the page's events were
 applied (never before), so a follower that dies mid-page re-applies the page
 (yanks and pulls are idempotent) and one that resumes after an outage starts
 after the last page it finished: no yank is missed. A cursor the upstream
-refuses as too old (400 with ``detail.expired``: the outage outlasted the
-upstream's ``CGSTORE_EVENTS_RETENTION_S``) is replaced by a resync: take a
+refuses (400: too old, ``detail.expired``, when the outage outlasted the
+upstream's ``CGSTORE_EVENTS_RETENTION_S``; or one it can no longer open, say
+after a restore) is replaced by a resync: take a
 fresh cursor at the upstream's head first, then re-check every live mirrored
 record against the upstream and yank those it no longer serves; events after
 the fresh cursor are read next, so nothing falls in between.
@@ -29,7 +30,10 @@ the fresh cursor are read next, so nothing falls in between.
 An unreachable upstream is retried with a capped backoff (1 s doubling to
 ``MAX_BACKOFF_S``); the mirror keeps serving what it holds meanwhile
 (``mirror.service``), and the lag (``cgstore_mirror_sync_lag_seconds``, the
-console's Storage page) grows until the feed answers again.
+console's Storage page) grows until the feed answers again. Each answer and
+each failure of the feed counts as contact with the upstream
+(``MirrorRuntime.answered`` / ``failed``): an idle mirror notices an outage,
+and its end, within one long-poll, and shows itself degraded meanwhile.
 """
 
 from __future__ import annotations
