@@ -100,10 +100,8 @@ class Record:
     envelope: dict
     archive: Path
     components: dict[str, Path]
-
-    @property
-    def size(self) -> int:
-        return self.archive.stat().st_size + sum(path.stat().st_size for path in self.components.values())
+    #: Artifact + components, in bytes (read when made: the files go with the scratch directory).
+    size: int = 0
 
 
 def make_record(minted: Path, graph: str, side: int, artifact_bytes: int, text_len: int, scratch: Path) -> Record:
@@ -113,7 +111,9 @@ def make_record(minted: Path, graph: str, side: int, artifact_bytes: int, text_l
     envelope = {"shapes": [[64, 64]], "text_len": text_len}
     padded_archive(minted, directory / "artifact.pt2", artifact_bytes)
     key = ck1(graph, envelope, environment_sm(), TOOLCHAIN)
-    return Record(key, envelope, directory / "artifact.pt2", fresh_components(side, directory))
+    components = fresh_components(side, directory)
+    size = (directory / "artifact.pt2").stat().st_size + sum(path.stat().st_size for path in components.values())
+    return Record(key, envelope, directory / "artifact.pt2", components, size)
 
 
 def publish(url: str, token: str, record: Record, cache: Path) -> None:
