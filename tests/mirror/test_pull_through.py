@@ -158,3 +158,52 @@ def test_cgstore_mirror_trust_refuses_an_unexpected_fingerprint(upstream, mirror
     assert trusted.returncode == 0 and trusted.stdout.strip() == good, trusted.stderr
     assert httpx.get(f"{mirror.base_url}/healthz").json()["mirror"]["trusted_fingerprint"] == good
     assert mirror.upstream_token not in refused.stdout + refused.stderr + trusted.stdout + trusted.stderr
+
+
+def test_concurrent_discovers_of_one_declaration_ask_the_upstream_once(upstream, mirror):
+    repo = unique_repo("flight")
+    pub = upstream.publish(repo)
+    axes = pub.manifest["axes"]
+    declaration = {
+        "family": MIRROR_FAMILY,
+        "envelope": axes["envelope"],
+        "sm": axes["sm"],
+        "toolchain": axes["toolchain"],
+    }
+    before = upstream.tap.count("POST", "/v1/compiled-graphs:discover")
+    start = threading.Barrier(WORKERS)
+
+    def discover(_: int) -> list[str]:
+        with mirror.live.client(mirror.worker) as client:
+            start.wait(30)
+            answer = client.post("/v1/compiled-graphs:discover", json=declaration)
+            assert answer.status_code == 200, answer.text
+            return [c["key"] for c in answer.json()["candidates"]]
+
+    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+        assert list(pool.map(discover, range(WORKERS))) == [[pub.key]] * WORKERS
+    assert upstream.tap.count("POST", "/v1/compiled-graphs:discover") - before == 1
+
+
+def test_an_interrupted_blob_pull_resumes_from_the_parts_it_has(upstream, tmp_path, monkeypatch):
+    from cgstore.mirror import upstream as upstream_client
+
+    monkeypatch.setattr(upstream_client, "PART_BYTES", 4096)
+    repo = unique_repo("resume")
+    data = bytes(range(256)) * 64 + b"tail"  # 5 parts of 4096 bytes
+    blob = type("B", (), {"data": data, "digest": digest_of(data), "size": len(data)})()
+    with upstream.live.client(upstream.publisher) as client:
+        upload(client, OWNER, repo, blob)
+    spool = tmp_path / "spool"
+    # A pull cut off after its first two parts: their bytes written, their offsets noted.
+    spool.write_bytes(data[:8192] + b"\0" * (len(data) - 8192))
+    spool.with_name("spool.parts").write_text("0\n4096\n")
+    token = upstream.live.mint("resumer", f"{OWNER}/*:read")
+    client = upstream_client.Upstream(upstream.base_url, token, 5.0)
+    before = upstream.tap.blob_bytes(blob.digest)
+    try:
+        assert client.fetch_blob(OWNER, repo, blob.digest, blob.size, spool).read_bytes() == data
+    finally:
+        client.close()
+    assert upstream.tap.blob_bytes(blob.digest) - before == len(data) - 8192  # only the missing parts
+    assert not spool.with_name("spool.parts").exists()
