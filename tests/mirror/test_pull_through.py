@@ -123,32 +123,35 @@ def test_an_upstream_miss_is_remembered_briefly(upstream, mirror):
     assert upstream.tap.count("POST", "/v1/compiled-graphs:resolve") - before == 1
 
 
-def test_a_mirror_pulls_only_what_its_filters_and_its_readers_want(upstream, mirror, make_mirror):
-    repo = unique_repo("filt")
+def test_a_mirror_pulls_nothing_for_a_reader_who_could_not_read_it(upstream, mirror):
+    repo = unique_repo("stranger")
     pub = upstream.publish(repo)
     reads = upstream.tap.count("GET", pub.path(OWNER, repo))
     stranger = mirror.live.mint("stranger", "other/*:read")
     with mirror.live.client(stranger) as client:
         assert resolve(client, pub.key)["status"] == "miss"
         assert client.get(pub.path(OWNER, repo)).status_code == 404
+    assert upstream.tap.count("GET", pub.path(OWNER, repo)) == reads
+
+
+def test_a_mirror_pulls_only_the_families_and_architectures_its_filters_want(upstream, make_mirror):
+    repo = unique_repo("filt")
+    pub = upstream.publish(repo)
+    reads = upstream.tap.count("GET", pub.path(OWNER, repo))
     narrow = make_mirror("embedded", mirror_families="flux-*,sdxl")
     with narrow.live.client(narrow.worker) as client:
         assert resolve(client, pub.key)["status"] == "miss"
-    # Nothing pulled for a reader who could not read it, nor for a family the filters leave out.
     assert upstream.tap.count("GET", pub.path(OWNER, repo)) == reads
     globbed = make_mirror("embedded", mirror_families="flux-*, mirror-*", mirror_sm="sm_*,x86*,arm*,cpu*")
     with globbed.live.client(globbed.worker) as client:
         assert resolve(client, pub.key)["status"] == "hit"
-
-
-def test_cgstore_mirror_trust_refuses_an_unexpected_fingerprint(upstream, mirror):
-    settings = mirror.live.settings
+    # `cgstore mirror trust --expect`: any other key set is refused, the expected one recorded.
+    settings = globbed.live.settings
     env = {
         **os.environ,
         "CGSTORE_HOME": str(settings.home),
         "CGSTORE_UPSTREAM_URL": settings.upstream_url,
         "CGSTORE_UPSTREAM_TOKEN_FILE": str(settings.upstream_token_file),
-        **({"CGSTORE_DATABASE_URL": settings.database_url} if settings.database_url else {}),
     }
     cli = [sys.executable, "-m", "cgstore.cli", "mirror"]
     good = trust.fingerprint(upstream.jwks())
@@ -156,8 +159,8 @@ def test_cgstore_mirror_trust_refuses_an_unexpected_fingerprint(upstream, mirror
     assert refused.returncode == 1 and good in refused.stderr
     trusted = subprocess.run([*cli, "trust", "--expect", good], env=env, capture_output=True, text=True)
     assert trusted.returncode == 0 and trusted.stdout.strip() == good, trusted.stderr
-    assert httpx.get(f"{mirror.base_url}/healthz").json()["mirror"]["trusted_fingerprint"] == good
-    assert mirror.upstream_token not in refused.stdout + refused.stderr + trusted.stdout + trusted.stderr
+    assert httpx.get(f"{globbed.base_url}/healthz").json()["mirror"]["trusted_fingerprint"] == good
+    assert globbed.upstream_token not in refused.stdout + refused.stderr + trusted.stdout + trusted.stderr
 
 
 def test_concurrent_discovers_of_one_declaration_ask_the_upstream_once(upstream, mirror):
