@@ -210,3 +210,22 @@ def test_an_interrupted_blob_pull_resumes_from_the_parts_it_has(upstream, tmp_pa
         client.close()
     assert upstream.tap.blob_bytes(blob.digest) - before == len(data) - 8192  # only the missing parts
     assert not spool.with_name("spool.parts").exists()
+
+
+def test_a_pull_from_an_upstream_that_redirects_reads_the_parts_from_its_bucket(make_store, tmp_path, monkeypatch):
+    from cgstore.mirror import upstream as upstream_client
+
+    monkeypatch.setattr(upstream_client, "PART_BYTES", 4096)
+    redirecting = make_store("production")  # S3 with presigned redirects, as an upstream runs by default
+    assert redirecting.settings.redirect_downloads
+    repo = unique_repo("redirect")
+    data = bytes(range(251)) * 50  # 4 parts
+    blob = type("B", (), {"data": data, "digest": digest_of(data), "size": len(data)})()
+    with redirecting.client(redirecting.mint("publisher", f"{OWNER}/*:read,write")) as client:
+        upload(client, OWNER, repo, blob)
+    client = upstream_client.Upstream(redirecting.base_url, redirecting.mint("m", f"{OWNER}/*:read"), 5.0)
+    try:
+        spool = client.fetch_blob(OWNER, repo, blob.digest, blob.size, tmp_path / "spool")
+    finally:
+        client.close()
+    assert spool.read_bytes() == data
