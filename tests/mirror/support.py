@@ -14,6 +14,8 @@ receipt, the JWKS).
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,9 +32,13 @@ from cgstore.mirror import trust
 from cgstore.settings import Settings
 from tests.compiled_graphs.support import CONSTANTS_A, Publication, publication, safetensors_bytes, unique_envelope
 from tests.compiled_graphs.support import publish as publish_over
-from tests.support.live_store import LiveStore
+from tests.support import services
+from tests.support.live_store import LiveStore, running_store
+from tests.support.proxy import CuttableProxy
 from tests.support.services import free_port
 
+#: How long a test waits on an upstream that does not answer: short, so outage tests stay fast.
+UPSTREAM_TIMEOUT_S = 2.0
 #: The owner every mirror test publishes under, and the grants of the tokens involved.
 OWNER = "acme"
 MIRROR_FAMILY = "mirror-family"
@@ -178,6 +184,40 @@ class MirrorStore:
     @property
     def runtime(self):
         return self.live.context.mirror
+
+
+def start_mirror(
+    stack, request, tmp_path_factory, upstream: UpstreamStore, configuration: str, via: str | None = None, **overrides
+):
+    """A mirror of ``upstream`` reached through a ``CuttableProxy`` (or at ``via``, e.g. a ``HostileProxy``)."""
+    home = tmp_path_factory.mktemp(f"mirror-{configuration}")
+    proxy = CuttableProxy(int(upstream.base_url.rsplit(":", 1)[1]))
+    stack.callback(proxy.close)
+    upstream_token = upstream.live.mint(f"mirror-{configuration}", f"{OWNER}/*:read")
+    token_file = home / "upstream-token"
+    token_file.write_text(upstream_token + "\n")
+    os.chmod(token_file, 0o600)
+    overrides.setdefault("upstream_timeout_s", UPSTREAM_TIMEOUT_S)
+    overrides.setdefault("mirror_negative_ttl_s", 1.0)
+    settings_fields = dict(
+        home=home,
+        upstream_url=via or f"http://127.0.0.1:{proxy.port}",
+        upstream_token_file=token_file,
+        reaper_interval_s=3600,
+        metrics_token=secrets.token_urlsafe(24),
+        console_aggregates_s=0,
+        **overrides,
+    )
+    if configuration == "production":
+        s3 = request.getfixturevalue("s3_server")
+        services.use_s3_credentials(s3)
+        settings_fields["database_url"] = stack.enter_context(services.postgres_database("cgstore_mirror"))
+        settings_fields["storage_url"] = s3.storage_url(s3.create_bucket())
+    live = stack.enter_context(running_store(Settings(**settings_fields), configuration))
+    trust_upstream(live, upstream.base_url)
+    mirror = MirrorStore(live=live, proxy=proxy, upstream_token=upstream_token)
+    mirror.worker = live.mint("worker", f"{OWNER}/*:read")
+    return mirror
 
 
 def trust_upstream(mirror: LiveStore, upstream_url: str) -> str:

@@ -27,7 +27,7 @@ from cgstore.tokens.ring import jwk, key_id
 from cgstore_client.receipts import RECEIPT_TYP, ReceiptInvalid, verify_jws_receipt
 from cgstore_client.worker.client import Client
 from cgstore_client.worker.outcomes import RECEIPT_INVALID, Eager
-from tests.mirror.support import MIRROR_FAMILY, OWNER, HostileProxy, resolve, serving
+from tests.mirror.support import MIRROR_FAMILY, OWNER, HostileProxy, resolve, serving, start_mirror
 from tests.support.live_store import unique_repo
 
 
@@ -42,10 +42,8 @@ def hostile(upstream):
 @pytest.fixture(scope="module")
 def victim(hostile, request, tmp_path_factory, upstream):
     """An embedded mirror whose upstream is the hostile proxy (it trusts the honest upstream's keys)."""
-    from tests.mirror.conftest import _start_mirror
-
     with contextlib.ExitStack() as stack:
-        yield _start_mirror(stack, request, tmp_path_factory, upstream, "embedded", via=hostile.url)
+        yield start_mirror(stack, request, tmp_path_factory, upstream, "embedded", via=hostile.url)
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.mirror.conftest import UPSTREAM_TIMEOUT_S
-from tests.mirror.support import MIRROR_FAMILY, OWNER, resolve
+from tests.mirror.support import MIRROR_FAMILY, OWNER, UPSTREAM_TIMEOUT_S, resolve
 from tests.support.live_store import unique_repo
 
 

@@ -123,32 +123,35 @@ def test_an_upstream_miss_is_remembered_briefly(upstream, mirror):
     assert upstream.tap.count("POST", "/v1/compiled-graphs:resolve") - before == 1
 
 
-def test_a_mirror_pulls_only_what_its_filters_and_its_readers_want(upstream, mirror, make_mirror):
-    repo = unique_repo("filt")
+def test_a_mirror_pulls_nothing_for_a_reader_who_could_not_read_it(upstream, mirror):
+    repo = unique_repo("stranger")
     pub = upstream.publish(repo)
     reads = upstream.tap.count("GET", pub.path(OWNER, repo))
     stranger = mirror.live.mint("stranger", "other/*:read")
     with mirror.live.client(stranger) as client:
         assert resolve(client, pub.key)["status"] == "miss"
         assert client.get(pub.path(OWNER, repo)).status_code == 404
+    assert upstream.tap.count("GET", pub.path(OWNER, repo)) == reads
+
+
+def test_a_mirror_pulls_only_the_families_and_architectures_its_filters_want(upstream, make_mirror):
+    repo = unique_repo("filt")
+    pub = upstream.publish(repo)
+    reads = upstream.tap.count("GET", pub.path(OWNER, repo))
     narrow = make_mirror("embedded", mirror_families="flux-*,sdxl")
     with narrow.live.client(narrow.worker) as client:
         assert resolve(client, pub.key)["status"] == "miss"
-    # Nothing pulled for a reader who could not read it, nor for a family the filters leave out.
     assert upstream.tap.count("GET", pub.path(OWNER, repo)) == reads
     globbed = make_mirror("embedded", mirror_families="flux-*, mirror-*", mirror_sm="sm_*,x86*,arm*,cpu*")
     with globbed.live.client(globbed.worker) as client:
         assert resolve(client, pub.key)["status"] == "hit"
-
-
-def test_cgstore_mirror_trust_refuses_an_unexpected_fingerprint(upstream, mirror):
-    settings = mirror.live.settings
+    # `cgstore mirror trust --expect`: any other key set is refused, the expected one recorded.
+    settings = globbed.live.settings
     env = {
         **os.environ,
         "CGSTORE_HOME": str(settings.home),
         "CGSTORE_UPSTREAM_URL": settings.upstream_url,
         "CGSTORE_UPSTREAM_TOKEN_FILE": str(settings.upstream_token_file),
-        **({"CGSTORE_DATABASE_URL": settings.database_url} if settings.database_url else {}),
     }
     cli = [sys.executable, "-m", "cgstore.cli", "mirror"]
     good = trust.fingerprint(upstream.jwks())
@@ -156,5 +159,73 @@ def test_cgstore_mirror_trust_refuses_an_unexpected_fingerprint(upstream, mirror
     assert refused.returncode == 1 and good in refused.stderr
     trusted = subprocess.run([*cli, "trust", "--expect", good], env=env, capture_output=True, text=True)
     assert trusted.returncode == 0 and trusted.stdout.strip() == good, trusted.stderr
-    assert httpx.get(f"{mirror.base_url}/healthz").json()["mirror"]["trusted_fingerprint"] == good
-    assert mirror.upstream_token not in refused.stdout + refused.stderr + trusted.stdout + trusted.stderr
+    assert httpx.get(f"{globbed.base_url}/healthz").json()["mirror"]["trusted_fingerprint"] == good
+    assert globbed.upstream_token not in refused.stdout + refused.stderr + trusted.stdout + trusted.stderr
+
+
+def test_concurrent_discovers_of_one_declaration_ask_the_upstream_once(upstream, mirror):
+    repo = unique_repo("flight")
+    pub = upstream.publish(repo)
+    axes = pub.manifest["axes"]
+    declaration = {
+        "family": MIRROR_FAMILY,
+        "envelope": axes["envelope"],
+        "sm": axes["sm"],
+        "toolchain": axes["toolchain"],
+    }
+    before = upstream.tap.count("POST", "/v1/compiled-graphs:discover")
+    start = threading.Barrier(WORKERS)
+
+    def discover(_: int) -> list[str]:
+        with mirror.live.client(mirror.worker) as client:
+            start.wait(30)
+            answer = client.post("/v1/compiled-graphs:discover", json=declaration)
+            assert answer.status_code == 200, answer.text
+            return [c["key"] for c in answer.json()["candidates"]]
+
+    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+        assert list(pool.map(discover, range(WORKERS))) == [[pub.key]] * WORKERS
+    assert upstream.tap.count("POST", "/v1/compiled-graphs:discover") - before == 1
+
+
+def test_an_interrupted_blob_pull_resumes_from_the_parts_it_has(upstream, tmp_path, monkeypatch):
+    from cgstore.mirror import upstream as upstream_client
+
+    monkeypatch.setattr(upstream_client, "PART_BYTES", 4096)
+    repo = unique_repo("resume")
+    data = bytes(range(256)) * 64 + b"tail"  # 5 parts of 4096 bytes
+    blob = type("B", (), {"data": data, "digest": digest_of(data), "size": len(data)})()
+    with upstream.live.client(upstream.publisher) as client:
+        upload(client, OWNER, repo, blob)
+    spool = tmp_path / "spool"
+    # A pull cut off after its first two parts: their bytes written, their offsets noted.
+    spool.write_bytes(data[:8192] + b"\0" * (len(data) - 8192))
+    spool.with_name("spool.parts").write_text("0\n4096\n")
+    token = upstream.live.mint("resumer", f"{OWNER}/*:read")
+    client = upstream_client.Upstream(upstream.base_url, token, 5.0)
+    before = upstream.tap.blob_bytes(blob.digest)
+    try:
+        assert client.fetch_blob(OWNER, repo, blob.digest, blob.size, spool).read_bytes() == data
+    finally:
+        client.close()
+    assert upstream.tap.blob_bytes(blob.digest) - before == len(data) - 8192  # only the missing parts
+    assert not spool.with_name("spool.parts").exists()
+
+
+def test_a_pull_from_an_upstream_that_redirects_reads_the_parts_from_its_bucket(make_store, tmp_path, monkeypatch):
+    from cgstore.mirror import upstream as upstream_client
+
+    monkeypatch.setattr(upstream_client, "PART_BYTES", 4096)
+    redirecting = make_store("production")  # S3 with presigned redirects, as an upstream runs by default
+    assert redirecting.settings.redirect_downloads
+    repo = unique_repo("redirect")
+    data = bytes(range(251)) * 50  # 4 parts
+    blob = type("B", (), {"data": data, "digest": digest_of(data), "size": len(data)})()
+    with redirecting.client(redirecting.mint("publisher", f"{OWNER}/*:read,write")) as client:
+        upload(client, OWNER, repo, blob)
+    client = upstream_client.Upstream(redirecting.base_url, redirecting.mint("m", f"{OWNER}/*:read"), 5.0)
+    try:
+        spool = client.fetch_blob(OWNER, repo, blob.digest, blob.size, tmp_path / "spool")
+    finally:
+        client.close()
+    assert spool.read_bytes() == data

@@ -90,7 +90,7 @@ def wanted(ctx: StoreContext, family: str, sm: str | None) -> bool:
 def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for: search.UrlsFor) -> bytes:
     """``search.resolve``; on a mirror, its misses asked of the upstream once and pulled first."""
     answer = search.resolve(ctx, claims, request, urls_for)
-    if ctx.mirror is None:
+    if ctx.mirror is None or b'"status":"miss"' not in answer:  # all hits: nothing to parse
         return answer
     document = json.loads(answer)
     missed = sorted({item["key"] for item in document["answers"] if item["status"] == "miss"})
@@ -103,11 +103,12 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for
         document["answers"] = [
             found.get(item["key"], item) if item["status"] == "miss" else item for item in document["answers"]
         ]
-    if not pulled and not unavailable:
-        return to_json(document)
-    for item in document["answers"]:
-        if item["status"] == "miss" and unavailable:
-            item["detail"] = UNAVAILABLE
+    elif not unavailable:
+        return answer
+    if unavailable:
+        for item in document["answers"]:
+            if item["status"] == "miss":
+                item["detail"] = UNAVAILABLE
     return to_json(document)
 
 
@@ -125,15 +126,22 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     flight_key = ("discover", digest, json.dumps(declaration, sort_keys=True))
     if flight_key in runtime.negatives:
         return answer
+
+    def ask() -> Any:
+        # A flight that ended between this caller's miss and its own flight pulled them already.
+        return None if _held_declaration(ctx, digest) else runtime.upstream.discover(declaration)
+
     try:
         if not runtime.worth_asking():
             raise UpstreamUnavailable("the upstream is down")
-        found = _ask(runtime, flight_key, lambda: runtime.upstream.discover(declaration))
+        found = _ask(runtime, flight_key, ask)
     except UpstreamUnavailable:
         return to_json({**document, "detail": UNAVAILABLE})
     except UpstreamRefused as err:
         log.warning("mirror: the upstream refused a discover: %s", err)
         return answer
+    if found is None:
+        return search.discover(ctx, claims, request, urls_for)
     pulled = 0
     for candidate in found.get("candidates") or []:
         owner, _, name = str(candidate.get("repo", "")).partition("/")
@@ -506,6 +514,32 @@ def _readable(claims: Claims, owner: str, repo: str) -> bool:
     return bool(owner) and bool(repo) and access.can_read(claims, owner, repo).allowed
 
 
+def _held_keys(ctx: StoreContext, family: str, keys: list[str]) -> set[str]:
+    """Which of ``keys`` (of ``family``) the mirror holds live, pulled from the upstream."""
+    with ctx.db.session() as session:
+        return set(
+            session.scalars(
+                select(CompiledGraph.key).where(
+                    CompiledGraph.key.in_(keys),
+                    CompiledGraph.family == family,
+                    CompiledGraph.yanked_at.is_(None),
+                    CompiledGraph.origin.is_not(None),
+                )
+            )
+        )
+
+
+def _held_declaration(ctx: StoreContext, digest: str) -> bool:
+    """Does the mirror hold a live record pulled from the upstream with this discovery digest?"""
+    with ctx.db.session() as session:
+        found = select(CompiledGraph.id).where(
+            CompiledGraph.discovery_digest == digest,
+            CompiledGraph.yanked_at.is_(None),
+            CompiledGraph.origin.is_not(None),
+        )
+        return session.scalar(found.limit(1)) is not None
+
+
 def _held_live(ctx: StoreContext, owner: str, repo: str, key: str) -> bool:
     with ctx.db.session() as session:
         target = find_repo(session, owner, repo)
@@ -532,6 +566,9 @@ def _try_pull(ctx: StoreContext, owner: str, repo: str, key: str, *, raise_unava
     try:
         return pull_record(ctx, owner, repo, key)
     except PullRefused:
+        # Not asked again for a while: a hostile upstream cannot make every read a new pull of its bytes.
+        if ctx.mirror is not None:
+            ctx.mirror.negatives.remember(("record", owner, repo, key))
         return False
     except UpstreamRefused as err:
         log.warning("mirror: the upstream refused the pull of %s/%s:%s: %s", owner, repo, key, err)
@@ -552,14 +589,21 @@ def _pull_keys(
         return 0, False
     if not runtime.worth_asking():
         return 0, True
+
+    def ask() -> tuple[int, Any]:
+        # A flight that ended between this caller's miss and its own flight pulled them already.
+        held = _held_keys(ctx, family, asked)
+        remaining = [key for key in asked if key not in held]
+        return len(held), runtime.upstream.resolve(family, remaining) if remaining else {}
+
     try:
-        found = _ask(runtime, ("resolve", family, tuple(asked)), lambda: runtime.upstream.resolve(family, asked))
+        held, found = _ask(runtime, ("resolve", family, tuple(asked)), ask)
     except UpstreamUnavailable:
         return 0, True
     except UpstreamRefused as err:
         log.warning("mirror: the upstream refused a resolve: %s", err)
         return 0, False
-    pulled, unavailable = 0, False
+    pulled, unavailable = held, False
     for item in _answers(found):
         key = str(item.get("key", ""))
         if item.get("status") != "hit":

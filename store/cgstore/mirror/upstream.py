@@ -116,8 +116,9 @@ class Upstream:
         return self._json("GET", "/v1/compiled-graphs:events", params=params, timeout=timeout)
 
     def ping(self) -> None:
-        """Raise ``UpstreamUnavailable`` unless the upstream answers ``/healthz``."""
-        self._json("GET", "/healthz")
+        """Raise ``UpstreamUnavailable`` unless the upstream answers ``/healthz`` within a second (or the
+        timeout, if shorter): ``/healthz`` of the mirror asks this, and a liveness probe must not wait long."""
+        self._json("GET", "/healthz", timeout=httpx.Timeout(min(1.0, self.timeout_s)))
 
     def _json(
         self,
