@@ -48,6 +48,7 @@ from cgstore.compiled_graphs.publishing import live_query
 from cgstore.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
 from cgstore.core.errors import BlobUnknown, NameUnknown, StoreError, Unavailable
+from cgstore.core.names import is_valid_owner, is_valid_repo
 from cgstore.core.private import private_dir
 from cgstore.mirror import trust
 from cgstore.mirror.flight import MirrorRuntime
@@ -55,6 +56,7 @@ from cgstore.mirror.upstream import UpstreamRefused, UpstreamUnavailable
 from cgstore.repos.models import Repo
 from cgstore.repos.service import find_repo
 from cgstore.tokens.claims import Claims
+from cgstore_client.keys import is_key
 from cgstore_client.receipts import ReceiptInvalid, ReceiptKeyUnknown
 from cgstore_client.wire.discovery import DiscoverRequest
 from cgstore_client.wire.records import Record, ResolveRequest
@@ -145,7 +147,8 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     pulled = 0
     for candidate in found.get("candidates") or []:
         owner, _, name = str(candidate.get("repo", "")).partition("/")
-        if _readable(claims, owner, name) and _try_pull(ctx, owner, name, str(candidate.get("key", ""))):
+        key = str(candidate.get("key", ""))
+        if is_key(key) and _readable(claims, owner, name) and _try_pull(ctx, owner, name, key):
             pulled += 1
     if not pulled:
         runtime.negatives.remember(flight_key)
@@ -158,7 +161,7 @@ def get_record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: st
     try:
         return records.get_record(ctx, claims, owner, repo, key)
     except NameUnknown as miss:
-        if ctx.mirror is None or not _readable(claims, owner, repo):
+        if ctx.mirror is None or not is_key(key) or not _readable(claims, owner, repo):
             raise
         try:
             pulled = _try_pull(ctx, owner, repo, key, raise_unavailable=True)
@@ -511,7 +514,8 @@ def apply_yank(ctx: StoreContext, owner: str, repo: str, key: str, reason: str) 
 
 
 def _readable(claims: Claims, owner: str, repo: str) -> bool:
-    return bool(owner) and bool(repo) and access.can_read(claims, owner, repo).allowed
+    """May the caller read ``owner/repo`` here (names checked first: only well-formed ones reach the upstream)?"""
+    return is_valid_owner(owner) and is_valid_repo(repo) and access.can_read(claims, owner, repo).allowed
 
 
 def _held_keys(ctx: StoreContext, family: str, keys: list[str]) -> set[str]:
@@ -606,12 +610,14 @@ def _pull_keys(
     pulled, unavailable = held, False
     for item in _answers(found):
         key = str(item.get("key", ""))
+        if key not in asked:
+            continue  # only what was asked
         if item.get("status") != "hit":
             runtime.negatives.remember(("key", family, key))
             continue
         owner, _, name = str(item.get("repo", "")).partition("/")
         if not _readable(claims, owner, name):
-            continue
+            continue  # pulled only for a caller who could read it here
         try:
             pulled += _try_pull(ctx, owner, name, key, raise_unavailable=True)
         except UpstreamUnavailable:
