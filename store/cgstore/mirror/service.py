@@ -91,26 +91,30 @@ def wanted(ctx: StoreContext, family: str, sm: str | None) -> bool:
 
 def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for: search.UrlsFor) -> bytes:
     """``search.resolve``; on a mirror, its misses asked of the upstream once and pulled first."""
-    answer = search.resolve(ctx, claims, request, urls_for)
-    if ctx.mirror is None or b'"status":"miss"' not in answer:  # all hits: nothing to parse
+    if ctx.mirror is None:
+        return search.resolve(ctx, claims, request, urls_for)
+    answer = search.resolve(ctx, claims, request, urls_for, count=False)
+    if b'"status":"miss"' not in answer:  # all hits: nothing to parse
+        ctx.metrics.count_resolve(request.family, len(request.keys), 0)
         return answer
     document = json.loads(answer)
     missed = sorted({item["key"] for item in document["answers"] if item["status"] == "miss"})
-    if not missed or not wanted(ctx, request.family, None):
-        return answer
-    pulled, unavailable = _pull_keys(ctx, ctx.mirror, claims, request.family, missed)
+    pulled, unavailable = 0, False
+    if wanted(ctx, request.family, None):
+        pulled, unavailable = _pull_keys(ctx, ctx.mirror, claims, request.family, missed)
     if pulled:
-        answer = search.resolve(ctx, claims, request.model_copy(update={"keys": missed}), urls_for)
-        found = {item["key"]: item for item in json.loads(answer)["answers"]}
+        again = search.resolve(ctx, claims, request.model_copy(update={"keys": missed}), urls_for, count=False)
+        found = {item["key"]: item for item in json.loads(again)["answers"]}
         document["answers"] = [
             found.get(item["key"], item) if item["status"] == "miss" else item for item in document["answers"]
         ]
-    elif not unavailable:
+    misses = [item for item in document["answers"] if item["status"] == "miss"]
+    ctx.metrics.count_resolve(request.family, len(request.keys) - len(misses), len(misses))
+    if not pulled and not unavailable:
         return answer
     if unavailable:
-        for item in document["answers"]:
-            if item["status"] == "miss":
-                item["detail"] = UNAVAILABLE
+        for item in misses:
+            item["detail"] = UNAVAILABLE
     return to_json(document)
 
 
