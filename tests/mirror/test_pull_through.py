@@ -19,7 +19,7 @@ from cgstore.audit.models import AuditEvent
 from cgstore.compiled_graphs.models import CompiledGraph
 from cgstore.mirror import service as mirror_service
 from cgstore.mirror import trust
-from cgstore_client.receipts import verify_jws_receipt
+from cgstore_client.receipts import proves_root, verify_jws_receipt
 from cgstore_client.worker.client import Client
 from tests.compiled_graphs.support import digest_of, upload
 from tests.mirror.support import MIRROR_FAMILY, OWNER, resolve
@@ -139,6 +139,16 @@ def test_an_upstream_yank_applied_to_the_mirror_reaches_its_feed(upstream, mirro
         assert resolve(client, pub.key)["status"] == "miss"  # and not pulled again: the upstream has it yanked too
         events = client.get("/v1/compiled-graphs:events", params={"family": MIRROR_FAMILY, "since": since}).json()
     assert [(e["key"], e["kind"]) for e in events["events"]] == [(pub.key, "yanked")]
+
+
+def test_a_platform_record_pulled_through_a_mirror_still_proves_root(upstream, mirror, tmp_path):
+    repo = unique_repo("models")
+    platform = upstream.live.mint("ci", f"root/{repo}:read,write", platform=True)
+    pub = upstream.publish(repo, token=platform, owner="root")
+    with Client(mirror.base_url, mirror.worker, cache_dir=tmp_path, trusted_jwks=upstream.jwks()) as worker:
+        (hit,) = worker.resolve(MIRROR_FAMILY, [pub.key])
+        assert hit["status"] == "hit" and hit["repo"] == f"root/{repo}"
+        assert proves_root(verify_jws_receipt(hit, hit["receipt"], worker.jwks()))
 
 
 def test_a_mirror_pulls_nothing_for_a_reader_who_could_not_read_it(upstream, mirror):
