@@ -31,9 +31,11 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any
 
 import jwt
+from filelock import FileLock
 from pydantic import ValidationError
 from pydantic_core import to_json
 from sqlalchemy import select, update
@@ -340,30 +342,39 @@ def pull_blob(ctx: StoreContext, owner: str, repo: str, digest: str, size: int, 
 
 
 def _pull_bytes(ctx: StoreContext, runtime: MirrorRuntime, owner: str, repo: str, digest: str, size: int) -> None:
-    if _stored_ok(ctx, digest):
-        return
     spool = private_dir(ctx.settings.home / "mirror-spool") / digest.partition(":")[2]
-    _ask(runtime, None, lambda: runtime.upstream.fetch_blob(owner, repo, digest, size, spool))
-    try:
-        with ctx.storage.writer(digest, size) as writer, open(spool, "rb") as source:
-            while chunk := source.read(1 << 20):
-                writer.write(chunk)
-            writer.commit()
-    except StoreError as err:
-        if isinstance(err, Unavailable):
-            raise
-        raise PullRefused(f"blob {digest} from the upstream does not match its digest or size ({err.code})") from None
-    finally:
-        # Verified or not, the spool goes: bad bytes must not be resumed from.
-        spool.unlink(missing_ok=True)
-        spool.with_name(spool.name + ".parts").unlink(missing_ok=True)
+    # Processes sharing this home (`CGSTORE_WORKERS`) take turns on a spool file: never two writers.
+    with FileLock(f"{spool}.lock"):
+        if _stored_ok(ctx, digest):
+            return
+        _ask(runtime, None, lambda: runtime.upstream.fetch_blob(owner, repo, digest, size, spool))
+        try:
+            with ctx.storage.writer(digest, size) as writer, open(spool, "rb") as source:
+                while chunk := source.read(1 << 20):
+                    writer.write(chunk)
+                writer.commit()
+        except Unavailable:
+            raise  # the storage is down: the spool stays, the next pull resumes from it
+        except StoreError as err:
+            _drop_spool(spool)  # bad bytes must not be resumed from
+            raise PullRefused(
+                f"blob {digest} from the upstream does not match its digest or size ({err.code})"
+            ) from None
+        _drop_spool(spool)
     with ctx.db.session() as session:
         now = utcnow()
         if not insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=now, linked_at=now):
-            blobs_service.hold_blobs(session, [digest])
+            if blobs_service.hold_blobs(session, [digest]):
+                # Condemned by GC since the check: it may delete the very bytes just written.
+                raise Unavailable("the blob is being garbage-collected: ask again shortly", digest=digest)
             session.execute(update(Blob).where(Blob.digest == digest).values(health=BLOB_OK))
     runtime.count_pulled(size)
     ctx.metrics.mirror_pulled_bytes.inc(size)
+
+
+def _drop_spool(spool: Path) -> None:
+    spool.unlink(missing_ok=True)
+    spool.with_name(spool.name + ".parts").unlink(missing_ok=True)
 
 
 def _stored_ok(ctx: StoreContext, digest: str) -> bool:
