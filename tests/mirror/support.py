@@ -147,14 +147,16 @@ class UpstreamStore:
     def base_url(self) -> str:
         return self.live.base_url
 
-    def publish(self, repo: str, *, family: str = MIRROR_FAMILY, **fields) -> Publication:
-        """A new record of the small real archive (a key no other test uses) in ``acme/<repo>``."""
+    def publish(
+        self, repo: str, *, family: str = MIRROR_FAMILY, token: str | None = None, owner: str = OWNER, **fields
+    ) -> Publication:
+        """A new record of the small real archive (a key no other test uses) in ``<owner>/<repo>``."""
         components = {"consts": safetensors_bytes(CONSTANTS_A)}
         pub = publication(
             self.archive, self.report, components=components, envelope=unique_envelope(), family=family, **fields
         )
-        with self.live.client(self.publisher) as client:
-            response = publish_over(client, OWNER, repo, pub)
+        with self.live.client(token or self.publisher) as client:
+            response = publish_over(client, owner, repo, pub)
             assert response.status_code == 201, response.text
         self.published.append(pub)
         return pub

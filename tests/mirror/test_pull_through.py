@@ -13,9 +13,13 @@ import sys
 import threading
 
 import httpx
+from sqlalchemy import select
 
+from cgstore.audit.models import AuditEvent
+from cgstore.compiled_graphs.models import CompiledGraph
+from cgstore.mirror import service as mirror_service
 from cgstore.mirror import trust
-from cgstore_client.receipts import verify_jws_receipt
+from cgstore_client.receipts import proves_root, verify_jws_receipt
 from cgstore_client.worker.client import Client
 from tests.compiled_graphs.support import digest_of, upload
 from tests.mirror.support import MIRROR_FAMILY, OWNER, resolve
@@ -70,13 +74,13 @@ def test_the_pulled_record_keeps_the_upstream_receipt_and_origin(upstream, mirro
     assert hit["receipt"] == original["receipt"] == record.json()["receipt"]
     assert record.json()["manifest"] == original["manifest"]
     assert record.json()["publisher"] == original["publisher"]
-    from sqlalchemy import select
-
-    from cgstore.compiled_graphs.models import CompiledGraph
-
     with mirror.live.context.db.session() as session:
         origin = session.scalar(select(CompiledGraph.origin).where(CompiledGraph.key == pub.key))
     assert origin == mirror.live.settings.upstream_url
+    with mirror.live.context.db.session() as session:
+        pulls = session.scalars(select(AuditEvent).where(AuditEvent.target == f"{OWNER}/{repo}:{pub.key}")).all()
+    assert [(a.action, a.actor, a.outcome) for a in pulls] == [("mirror.pull", "mirror", "ok")]
+    assert pulls[0].detail["upstream"] == mirror.live.settings.upstream_url
     # The mirror's own feed tells its workers of the pulled record.
     with mirror.live.client(mirror.worker) as client:
         events = client.get("/v1/compiled-graphs:events", params={"family": MIRROR_FAMILY, "since": since}).json()
@@ -121,6 +125,30 @@ def test_an_upstream_miss_is_remembered_briefly(upstream, mirror):
         for _ in range(3):
             assert resolve(client, key) == {"key": key, "status": "miss"}
     assert upstream.tap.count("POST", "/v1/compiled-graphs:resolve") - before == 1
+
+
+def test_an_upstream_yank_applied_to_the_mirror_reaches_its_feed(upstream, mirror):
+    repo = unique_repo("yank")
+    pub = upstream.publish(repo)
+    with mirror.live.client(mirror.worker) as client:
+        assert resolve(client, pub.key)["status"] == "hit"
+        since = client.get("/v1/compiled-graphs:events", params={"family": MIRROR_FAMILY}).json()["next"]
+        upstream.yank(repo, pub.key, "miscompiled")
+        assert mirror_service.apply_yank(mirror.live.context, OWNER, repo, pub.key, "miscompiled")
+        assert not mirror_service.apply_yank(mirror.live.context, OWNER, repo, pub.key, "again")
+        assert resolve(client, pub.key)["status"] == "miss"  # and not pulled again: the upstream has it yanked too
+        events = client.get("/v1/compiled-graphs:events", params={"family": MIRROR_FAMILY, "since": since}).json()
+    assert [(e["key"], e["kind"]) for e in events["events"]] == [(pub.key, "yanked")]
+
+
+def test_a_platform_record_pulled_through_a_mirror_still_proves_root(upstream, mirror, tmp_path):
+    repo = unique_repo("models")
+    platform = upstream.live.mint("ci", f"root/{repo}:read,write", platform=True)
+    pub = upstream.publish(repo, token=platform, owner="root")
+    with Client(mirror.base_url, mirror.worker, cache_dir=tmp_path, trusted_jwks=upstream.jwks()) as worker:
+        (hit,) = worker.resolve(MIRROR_FAMILY, [pub.key])
+        assert hit["status"] == "hit" and hit["repo"] == f"root/{repo}"
+        assert proves_root(verify_jws_receipt(hit, hit["receipt"], worker.jwks()))
 
 
 def test_a_mirror_pulls_nothing_for_a_reader_who_could_not_read_it(upstream, mirror):

@@ -31,9 +31,11 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any
 
 import jwt
+from filelock import FileLock
 from pydantic import ValidationError
 from pydantic_core import to_json
 from sqlalchemy import select, update
@@ -48,6 +50,7 @@ from cgstore.compiled_graphs.publishing import live_query
 from cgstore.context import StoreContext
 from cgstore.core.db import insert_ignoring_conflicts, utcnow
 from cgstore.core.errors import BlobUnknown, NameUnknown, StoreError, Unavailable
+from cgstore.core.names import is_valid_owner, is_valid_repo
 from cgstore.core.private import private_dir
 from cgstore.mirror import trust
 from cgstore.mirror.flight import MirrorRuntime
@@ -55,6 +58,7 @@ from cgstore.mirror.upstream import UpstreamRefused, UpstreamUnavailable
 from cgstore.repos.models import Repo
 from cgstore.repos.service import find_repo
 from cgstore.tokens.claims import Claims
+from cgstore_client.keys import is_key
 from cgstore_client.receipts import ReceiptInvalid, ReceiptKeyUnknown
 from cgstore_client.wire.discovery import DiscoverRequest
 from cgstore_client.wire.records import Record, ResolveRequest
@@ -89,26 +93,30 @@ def wanted(ctx: StoreContext, family: str, sm: str | None) -> bool:
 
 def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for: search.UrlsFor) -> bytes:
     """``search.resolve``; on a mirror, its misses asked of the upstream once and pulled first."""
-    answer = search.resolve(ctx, claims, request, urls_for)
-    if ctx.mirror is None or b'"status":"miss"' not in answer:  # all hits: nothing to parse
+    if ctx.mirror is None:
+        return search.resolve(ctx, claims, request, urls_for)
+    answer = search.resolve(ctx, claims, request, urls_for, count=False)
+    if b'"status":"miss"' not in answer:  # all hits: nothing to parse
+        ctx.metrics.count_resolve(request.family, len(request.keys), 0)
         return answer
     document = json.loads(answer)
     missed = sorted({item["key"] for item in document["answers"] if item["status"] == "miss"})
-    if not missed or not wanted(ctx, request.family, None):
-        return answer
-    pulled, unavailable = _pull_keys(ctx, ctx.mirror, claims, request.family, missed)
+    pulled, unavailable = 0, False
+    if wanted(ctx, request.family, None):
+        pulled, unavailable = _pull_keys(ctx, ctx.mirror, claims, request.family, missed)
     if pulled:
-        answer = search.resolve(ctx, claims, request.model_copy(update={"keys": missed}), urls_for)
-        found = {item["key"]: item for item in json.loads(answer)["answers"]}
+        again = search.resolve(ctx, claims, request.model_copy(update={"keys": missed}), urls_for, count=False)
+        found = {item["key"]: item for item in json.loads(again)["answers"]}
         document["answers"] = [
             found.get(item["key"], item) if item["status"] == "miss" else item for item in document["answers"]
         ]
-    elif not unavailable:
+    misses = [item for item in document["answers"] if item["status"] == "miss"]
+    ctx.metrics.count_resolve(request.family, len(request.keys) - len(misses), len(misses))
+    if not pulled and not unavailable:
         return answer
     if unavailable:
-        for item in document["answers"]:
-            if item["status"] == "miss":
-                item["detail"] = UNAVAILABLE
+        for item in misses:
+            item["detail"] = UNAVAILABLE
     return to_json(document)
 
 
@@ -145,7 +153,8 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
     pulled = 0
     for candidate in found.get("candidates") or []:
         owner, _, name = str(candidate.get("repo", "")).partition("/")
-        if _readable(claims, owner, name) and _try_pull(ctx, owner, name, str(candidate.get("key", ""))):
+        key = str(candidate.get("key", ""))
+        if is_key(key) and _readable(claims, owner, name) and _try_pull(ctx, owner, name, key):
             pulled += 1
     if not pulled:
         runtime.negatives.remember(flight_key)
@@ -158,7 +167,7 @@ def get_record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: st
     try:
         return records.get_record(ctx, claims, owner, repo, key)
     except NameUnknown as miss:
-        if ctx.mirror is None or not _readable(claims, owner, repo):
+        if ctx.mirror is None or not is_key(key) or not _readable(claims, owner, repo):
             raise
         try:
             pulled = _try_pull(ctx, owner, repo, key, raise_unavailable=True)
@@ -333,30 +342,39 @@ def pull_blob(ctx: StoreContext, owner: str, repo: str, digest: str, size: int, 
 
 
 def _pull_bytes(ctx: StoreContext, runtime: MirrorRuntime, owner: str, repo: str, digest: str, size: int) -> None:
-    if _stored_ok(ctx, digest):
-        return
     spool = private_dir(ctx.settings.home / "mirror-spool") / digest.partition(":")[2]
-    _ask(runtime, None, lambda: runtime.upstream.fetch_blob(owner, repo, digest, size, spool))
-    try:
-        with ctx.storage.writer(digest, size) as writer, open(spool, "rb") as source:
-            while chunk := source.read(1 << 20):
-                writer.write(chunk)
-            writer.commit()
-    except StoreError as err:
-        if isinstance(err, Unavailable):
-            raise
-        raise PullRefused(f"blob {digest} from the upstream does not match its digest or size ({err.code})") from None
-    finally:
-        # Verified or not, the spool goes: bad bytes must not be resumed from.
-        spool.unlink(missing_ok=True)
-        spool.with_name(spool.name + ".parts").unlink(missing_ok=True)
+    # Processes sharing this home (`CGSTORE_WORKERS`) take turns on a spool file: never two writers.
+    with FileLock(f"{spool}.lock"):
+        if _stored_ok(ctx, digest):
+            return
+        _ask(runtime, None, lambda: runtime.upstream.fetch_blob(owner, repo, digest, size, spool))
+        try:
+            with ctx.storage.writer(digest, size) as writer, open(spool, "rb") as source:
+                while chunk := source.read(1 << 20):
+                    writer.write(chunk)
+                writer.commit()
+        except Unavailable:
+            raise  # the storage is down: the spool stays, the next pull resumes from it
+        except StoreError as err:
+            _drop_spool(spool)  # bad bytes must not be resumed from
+            raise PullRefused(
+                f"blob {digest} from the upstream does not match its digest or size ({err.code})"
+            ) from None
+        _drop_spool(spool)
     with ctx.db.session() as session:
         now = utcnow()
         if not insert_ignoring_conflicts(session, Blob, digest=digest, size=size, created_at=now, linked_at=now):
-            blobs_service.hold_blobs(session, [digest])
+            if blobs_service.hold_blobs(session, [digest]):
+                # Condemned by GC since the check: it may delete the very bytes just written.
+                raise Unavailable("the blob is being garbage-collected: ask again shortly", digest=digest)
             session.execute(update(Blob).where(Blob.digest == digest).values(health=BLOB_OK))
     runtime.count_pulled(size)
     ctx.metrics.mirror_pulled_bytes.inc(size)
+
+
+def _drop_spool(spool: Path) -> None:
+    spool.unlink(missing_ok=True)
+    spool.with_name(spool.name + ".parts").unlink(missing_ok=True)
 
 
 def _stored_ok(ctx: StoreContext, digest: str) -> bool:
@@ -511,7 +529,8 @@ def apply_yank(ctx: StoreContext, owner: str, repo: str, key: str, reason: str) 
 
 
 def _readable(claims: Claims, owner: str, repo: str) -> bool:
-    return bool(owner) and bool(repo) and access.can_read(claims, owner, repo).allowed
+    """May the caller read ``owner/repo`` here (names checked first: only well-formed ones reach the upstream)?"""
+    return is_valid_owner(owner) and is_valid_repo(repo) and access.can_read(claims, owner, repo).allowed
 
 
 def _held_keys(ctx: StoreContext, family: str, keys: list[str]) -> set[str]:
@@ -606,12 +625,14 @@ def _pull_keys(
     pulled, unavailable = held, False
     for item in _answers(found):
         key = str(item.get("key", ""))
+        if key not in asked:
+            continue  # only what was asked
         if item.get("status") != "hit":
             runtime.negatives.remember(("key", family, key))
             continue
         owner, _, name = str(item.get("repo", "")).partition("/")
         if not _readable(claims, owner, name):
-            continue
+            continue  # pulled only for a caller who could read it here
         try:
             pulled += _try_pull(ctx, owner, name, key, raise_unavailable=True)
         except UpstreamUnavailable:

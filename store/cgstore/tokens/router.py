@@ -99,8 +99,9 @@ async def revoke_token(
 
 @router.get("/keys", response_model=Jwks)
 async def keys(ctx: StoreContext = Depends(get_context)) -> Jwks:
-    """The store's public keys (JWKS): verify tokens and receipts offline (a mirror adds its trusted upstream
-    keys, which signed the receipts it serves)."""
+    """The store's public keys (JWKS): verify tokens and receipts offline (a mirror's lists its upstream's too).
+
+    A regional mirror adds the upstream keys it trusts, which signed the receipts it serves."""
     jwks = await run_in_threadpool(_jwks, ctx)
     return Jwks(keys=[Jwk(**key) for key in jwks])
 
