@@ -266,7 +266,8 @@ class Follower:
         yanked = await run_in_threadpool(recheck_all, ctx, lease.renew)
         if yanked:
             log.warning("mirror: resync yanked %d mirrored records the upstream no longer serves", yanked)
-        self.caught_up = False
+        # In sync from the fresh cursor on: the next long-poll counts as such (lag 0).
+        self.caught_up = True
         await run_in_threadpool(self.save, lease, fresh.next, True)
 
 
