@@ -31,19 +31,31 @@ WORKERS = 8
 def test_eight_workers_booting_through_a_cold_mirror_cost_the_upstream_each_blob_once(upstream, mirror, tmp_path):
     repo = unique_repo("boot")
     pub = upstream.publish(repo)
+    axes = pub.manifest["axes"]
+    declaration = {
+        "family": MIRROR_FAMILY,
+        "envelope": axes["envelope"],
+        "sm": axes["sm"],
+        "toolchain": axes["toolchain"],
+    }
     blobs = {pub.artifact.digest: pub.artifact.size, **{b.digest: b.size for b in pub.components.values()}}
     served_before = {digest: upstream.tap.blob_bytes(digest) for digest in blobs}
-    resolves_before = upstream.tap.count("POST", "/v1/compiled-graphs:resolve")
+    asked_before = {path: upstream.tap.count("POST", path) for path in (":resolve", ":discover")}
     records_before = upstream.tap.count("GET", pub.path(OWNER, repo))
     upstream_keys = upstream.jwks()
     start = threading.Barrier(WORKERS)
 
     def boot(n: int) -> dict:
-        # A worker pinning the upstream's keys: what it verifies, the upstream admitted.
+        # A worker pinning the upstream's keys: what it verifies, the upstream admitted. Half of them boot
+        # by declaration (discover), half by key (resolve): one pull serves both.
         with Client(mirror.base_url, mirror.worker, cache_dir=tmp_path / f"w{n}", trusted_jwks=upstream_keys) as w:
             start.wait(30)
-            (hit,) = w.resolve(MIRROR_FAMILY, [pub.key])
-            assert hit["status"] == "hit", hit
+            if n % 2:
+                (hit,) = w.resolve(MIRROR_FAMILY, [pub.key])
+            else:
+                with mirror.live.client(mirror.worker) as client:
+                    (hit,) = client.post("/v1/compiled-graphs:discover", json=declaration).json()["candidates"]
+            assert hit["status"] == "hit" and hit["key"] == pub.key, hit
             verify_jws_receipt(hit, hit["receipt"], w.jwks())
             for blob in [hit["artifact"], *hit["components"]]:
                 assert digest_of(w.fetch_blob(hit["repo"], blob["digest"], blob["size"]).read_bytes()) == blob["digest"]
@@ -52,10 +64,10 @@ def test_eight_workers_booting_through_a_cold_mirror_cost_the_upstream_each_blob
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
         hits = list(pool.map(boot, range(WORKERS)))
     assert {hit["receipt"] for hit in hits} == {hits[0]["receipt"]}
-    # The upstream served each blob's bytes exactly once, one resolve and one record read.
+    # The upstream served each blob's bytes exactly once, and the record once; asked at most once per path.
     assert {d: upstream.tap.blob_bytes(d) - served_before[d] for d in blobs} == blobs
-    assert upstream.tap.count("POST", "/v1/compiled-graphs:resolve") - resolves_before == 1
     assert upstream.tap.count("GET", pub.path(OWNER, repo)) - records_before == 1
+    assert all(upstream.tap.count("POST", path) - before <= 1 for path, before in asked_before.items())
     status = mirror.runtime
     assert status.reachable is True and status.records_pulled >= 1 and status.bytes_pulled >= sum(blobs.values())
 

@@ -12,6 +12,8 @@ between replicas (they share the database, where a pulled record lands once).
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -22,6 +24,7 @@ from cgstore.mirror.upstream import Upstream, read_token
 from cgstore.settings import Settings
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,9 +131,12 @@ class MirrorRuntime:
         """The runtime of a mirror; None for a store without ``CGSTORE_UPSTREAM_URL``."""
         if settings.upstream_url is None:
             return None
-        upstream = Upstream(
-            settings.upstream_url, read_token(settings.upstream_token_file), settings.upstream_timeout_s
-        )
+        path = settings.upstream_token_file
+        if path is None:
+            log.warning("mirror: no CGSTORE_UPSTREAM_TOKEN_FILE: the upstream is read without a token")
+        elif os.stat(path).st_mode & 0o077:
+            log.warning("mirror: %s is readable by other users than the store's: make it 0600", path)
+        upstream = Upstream(settings.upstream_url, read_token(path), settings.upstream_timeout_s)
         return cls(upstream=upstream, negatives=NegativeCache(settings.mirror_negative_ttl_s))
 
     def answered(self) -> None:

@@ -137,12 +137,16 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
 
     def ask() -> Any:
         # A flight that ended between this caller's miss and its own flight pulled them already.
-        return None if _held_declaration(ctx, digest) else runtime.upstream.discover(declaration)
+        if _held_declaration(ctx, digest):
+            return None
+        found = _ask(runtime, None, lambda: runtime.upstream.discover(declaration))
+        _pull_candidates(ctx, claims, found)  # in the flight: a caller arriving after it finds them held
+        return found
 
     try:
         if not runtime.worth_asking():
             raise UpstreamUnavailable("the upstream is down")
-        found = _ask(runtime, flight_key, ask)
+        found = runtime.flights.do(flight_key, ask)
     except UpstreamUnavailable:
         return to_json({**document, "detail": UNAVAILABLE})
     except UpstreamRefused as err:
@@ -150,16 +154,24 @@ def discover(ctx: StoreContext, claims: Claims, request: DiscoverRequest, urls_f
         return answer
     if found is None:
         return search.discover(ctx, claims, request, urls_for)
+    if not _pull_candidates(ctx, claims, found):
+        runtime.negatives.remember(flight_key)
+        return answer
+    return search.discover(ctx, claims, request, urls_for)
+
+
+def _pull_candidates(ctx: StoreContext, claims: Claims, found: Any) -> int:
+    """Pull the candidates of an upstream discover that ``claims`` could read here; how many are held now."""
     pulled = 0
-    for candidate in found.get("candidates") or []:
+    candidates = found.get("candidates") if isinstance(found, dict) else None
+    for candidate in candidates if isinstance(candidates, list) else []:
+        if not isinstance(candidate, dict):
+            continue
         owner, _, name = str(candidate.get("repo", "")).partition("/")
         key = str(candidate.get("key", ""))
         if is_key(key) and _readable(claims, owner, name) and _try_pull(ctx, owner, name, key):
             pulled += 1
-    if not pulled:
-        runtime.negatives.remember(flight_key)
-        return answer
-    return search.discover(ctx, claims, request, urls_for)
+    return pulled
 
 
 def get_record(ctx: StoreContext, claims: Claims, owner: str, repo: str, key: str) -> Record:
@@ -613,16 +625,28 @@ def _pull_keys(
         # A flight that ended between this caller's miss and its own flight pulled them already.
         held = _held_keys(ctx, family, asked)
         remaining = [key for key in asked if key not in held]
-        return len(held), runtime.upstream.resolve(family, remaining) if remaining else {}
+        found = _ask(runtime, None, lambda: runtime.upstream.resolve(family, remaining)) if remaining else {}
+        # The first caller pulls in the flight, so that a caller arriving after it finds them held.
+        _pull_hits(ctx, runtime, claims, family, asked, found)
+        return len(held), found
 
     try:
-        held, found = _ask(runtime, ("resolve", family, tuple(asked)), ask)
+        held, found = runtime.flights.do(("resolve", family, tuple(asked)), ask)
     except UpstreamUnavailable:
         return 0, True
     except UpstreamRefused as err:
         log.warning("mirror: the upstream refused a resolve: %s", err)
         return 0, False
-    pulled, unavailable = held, False
+    pulled, unavailable = _pull_hits(ctx, runtime, claims, family, asked, found)
+    return held + pulled, unavailable
+
+
+def _pull_hits(
+    ctx: StoreContext, runtime: MirrorRuntime, claims: Claims, family: str, asked: list[str], found: Any
+) -> tuple[int, bool]:
+    """Pull the hits of an upstream resolve that ``claims`` could read here (already held: counted, not pulled
+    again); remember its misses. (How many are held now, whether the upstream was unavailable.)"""
+    pulled, unavailable = 0, False
     for item in _answers(found):
         key = str(item.get("key", ""))
         if key not in asked:
