@@ -36,6 +36,9 @@ from cgstore.core.private import private_dir
 from cgstore.core.serving import freeze_startup_heap, thaw_heap
 from cgstore.core.urls import install_slash_redirects
 from cgstore.health.router import router as health_router
+from cgstore.mirror import follower
+from cgstore.mirror.flight import MirrorRuntime
+from cgstore.mirror.guard import refuse_writes_on_mirror
 from cgstore.operations import checkpoints, gc, leases, scrub
 from cgstore.operations import service as operations
 from cgstore.owners.router import router as owners_router
@@ -63,10 +66,26 @@ def build_context(settings: Settings) -> StoreContext:
         feed=HeadWatch(
             lambda: events.head_of(db), poll_s=settings.events_poll_s, max_waiters=settings.events_max_waiters
         ),
+        mirror=MirrorRuntime.from_settings(settings),
     )
+    ctx.metrics.watch_upstream(lambda: _upstream_up(ctx))
     ctx.metrics.watch_upload_sessions(lambda: _open_sessions_or_nan(ctx))
     ctx.metrics.watch_claims(lambda: _claims_in_flight_or_nan(ctx))
+    if ctx.mirror is not None:
+        ctx.metrics.watch_mirror_lag(lambda: _mirror_lag_or_nan(ctx))
     return ctx
+
+
+def _mirror_lag_or_nan(ctx: StoreContext) -> float:
+    try:
+        return follower.sync_lag_s(ctx)
+    except Exception:  # as for upload sessions: "unknown" during a database outage
+        return float("nan")
+
+
+def _upstream_up(ctx: StoreContext) -> float:
+    reachable = ctx.mirror.reachable if ctx.mirror is not None else None
+    return float("nan") if reachable is None else float(reachable)
 
 
 def _open_sessions_or_nan(ctx: StoreContext) -> float:
@@ -91,11 +110,14 @@ def _background_tasks(ctx: StoreContext) -> list[asyncio.Task]:
         (leases.SCRUB, ctx.settings.scrub_interval_s, scrub.scrub_round),
         (leases.AUDIT_CHECKPOINT, ctx.settings.audit_checkpoint_interval_s, checkpoints.checkpoint_round),
     ]
-    return [
+    tasks = [
         asyncio.create_task(operations.run_periodically(ctx, name, interval_s, task))
         for name, interval_s, task in periodic
         if interval_s > 0
     ]
+    if ctx.mirror is not None:  # a mirror follows its upstream's events feed (one replica, under a lease)
+        tasks.append(asyncio.create_task(follower.follow_forever(ctx)))
+    return tasks
 
 
 async def _flush_denials(ctx: StoreContext) -> None:
@@ -193,6 +215,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await run_in_threadpool(operations.release_all, ctx)
             await _flush_denials(ctx)
             ctx.db.dispose()
+            if ctx.mirror is not None:
+                ctx.mirror.upstream.close()
             thaw_heap()
 
     # /docs serves Swagger UI 5 (OpenAPI 3.1) from the store itself: GPU clusters are often
@@ -227,7 +251,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         admin_router,
         console_router,
     ):
-        app.include_router(router)
+        writes = router in (owners_router, repos_router, blobs_router, claims_router, compiled_graphs_router)
+        app.include_router(router, dependencies=[Depends(refuse_writes_on_mirror)] if writes else [])
     install_slash_redirects(app, settings.public_url)
     install_request_schemas(app)
     install_links(app)

@@ -21,6 +21,7 @@ from cgstore.audit.cli import audit_app
 from cgstore.claims.cli import claims_app
 from cgstore.core.errors import StoreError
 from cgstore.core.private import UMASK, private_dir
+from cgstore.mirror.cli import mirror_app
 from cgstore.settings import MiB, Settings
 from cgstore_client.wire.tokens import MAX_TOKEN_PAGE
 
@@ -374,6 +375,7 @@ def scrub(
 
 app.add_typer(audit_app(parse_duration), name="audit")
 app.add_typer(claims_app(), name="claims")
+app.add_typer(mirror_app(), name="mirror")
 for _name, _command in ADMIN_COMMANDS.items():
     app.command(_name)(_command)
 

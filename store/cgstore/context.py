@@ -18,6 +18,7 @@ from cgstore.core.cursors import CursorSeal
 from cgstore.core.db import Database
 from cgstore.core.feeds import HeadWatch
 from cgstore.core.metrics import Metrics
+from cgstore.mirror.flight import MirrorRuntime
 from cgstore.settings import Settings
 from cgstore.storage import Storage
 from cgstore.tokens.service import TokenService
@@ -35,6 +36,8 @@ class StoreContext:
     cursors: CursorSeal
     #: Wakes this process's long-polls of the record events feed (``core.feeds``, ``compiled_graphs.events``).
     feed: HeadWatch
+    #: A regional mirror's upstream client, flights and figures (``mirror/``); None: not a mirror.
+    mirror: MirrorRuntime | None = None
     #: Names this store process among replicas (the holder of its leases).
     instance: str = field(default_factory=lambda: instance_id())
 

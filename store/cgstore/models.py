@@ -5,6 +5,7 @@ from cgstore.blobs.models import Blob, RepoBlob, RepoBlobHolder, UploadSession
 from cgstore.claims.models import DeclarationClaim
 from cgstore.compiled_graphs.models import CompiledGraph, CompiledGraphComponent
 from cgstore.core.db import Base
+from cgstore.mirror.models import MirrorState
 from cgstore.operations.models import Lease, ScrubCursor
 from cgstore.owners.models import Owner, Principal
 from cgstore.repos.models import Repo
@@ -18,6 +19,7 @@ __all__ = [
     "CompiledGraphComponent",
     "DeclarationClaim",
     "Lease",
+    "MirrorState",
     "Owner",
     "Principal",
     "Repo",

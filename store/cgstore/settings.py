@@ -223,9 +223,61 @@ class Settings(BaseSettings):
         description="events older than this are trimmed by the GC task (the newest is always kept); a cursor "
         "older than what is kept is answered 400 `BAD_REQUEST` (`detail.expired`): start again at `since=now`",
     )
+    upstream_url: str | None = Field(
+        None,
+        description="the upstream store's URL (`https://store.example[/prefix]`): set, this store is a read-only "
+        'regional mirror of it (docs/deploy.md "Regional mirrors"); it answers from its own rows first and pulls '
+        "what it lacks from the upstream once, verified against the upstream's trusted keys (`cgstore mirror trust`)",
+    )
+    upstream_token_file: Path | None = Field(
+        None,
+        description="file holding the token the mirror reads the upstream with (read once at start; the token "
+        "appears in no answer, log, metric, audit entry or console page): the mirror reads only what it grants",
+    )
+    upstream_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="bound of each upstream call's connect and of each wait for its next bytes; past it the "
+        'upstream counts as unavailable (misses answered with `detail.upstream = "unavailable"`, never a hang)',
+    )
+    mirror_families: str = Field(
+        "",
+        description="comma-separated globs (`flux-*,sdxl`) of the families a mirror pulls; empty: every family",
+    )
+    mirror_sm: str = Field(
+        "",
+        description="comma-separated globs (`sm_90*`) of the GPU architectures a mirror pulls; empty: every one",
+    )
+    mirror_negative_ttl_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="how long a mirror remembers that the upstream has no record of a key or declaration "
+        "(asked again after this); 0: never remembered",
+    )
+    mirror_preheat: bool = Field(
+        False,
+        description="on a mirror (`CGSTORE_UPSTREAM_URL` set): pull each record the upstream's events feed announces "
+        "as published, when it matches `CGSTORE_MIRROR_FAMILIES` / `CGSTORE_MIRROR_SM`, before any worker asks",
+    )
+    mirror_evict_after: int = Field(
+        0,
+        ge=0,
+        description="on a mirror: the GC task evicts mirrored records whose blobs no download served for this many seconds "
+        "(pulled again from the upstream on demand); 0: never evict",
+        json_schema_extra={"shown": "0 (never)"},
+    )
+    mirror_follow_wait_s: int = Field(
+        20,
+        ge=1,
+        le=30,
+        description="on a mirror: how long each long-poll of the upstream's events feed waits; upstream yanks are "
+        "applied within this + 1 s",
+    )
     log_level: str = Field("info", description="log level")
 
-    @field_validator("public_url")
+    @field_validator("public_url", "upstream_url")
     @classmethod
     def _absolute_http_url(cls, value: str | None) -> str | None:
         """An http(s) origin and optional path prefix, kept without its trailing slash; empty is unset."""
@@ -240,7 +292,7 @@ class Settings(BaseSettings):
             or parsed.params
             or "@" in parsed.netloc
         ):
-            raise ValueError("CGSTORE_PUBLIC_URL is an http(s) URL without credentials, query or fragment")
+            raise ValueError("an http(s) URL without credentials, query or fragment")
         return value.rstrip("/")
 
     @cached_property
@@ -272,6 +324,16 @@ class Settings(BaseSettings):
     @cached_property
     def keys_dir(self) -> Path:
         return self.token_keys_dir or self.home / "keys"
+
+    @cached_property
+    def mirror_family_globs(self) -> tuple[str, ...]:
+        """``mirror_families`` parsed once (empty: every family)."""
+        return tuple(glob.strip() for glob in self.mirror_families.split(",") if glob.strip())
+
+    @cached_property
+    def mirror_sm_globs(self) -> tuple[str, ...]:
+        """``mirror_sm`` parsed once (empty: every architecture)."""
+        return tuple(glob.strip() for glob in self.mirror_sm.split(",") if glob.strip())
 
     @property
     def storage_is_s3(self) -> bool:

@@ -103,17 +103,21 @@ class DiscoverAnswer(WireModel):
     """Best first (``root/*``, then the caller's own, newest first); empty when nothing matches or is readable.
 
     ``miss``: only when the request asked (``explain``) and nothing matched.
+    ``detail``: only from a regional mirror that could not ask its upstream
+    (``{"upstream": "unavailable"}``): the answer holds what the mirror has.
     """
 
     candidates: list[Candidate]
     miss: MissExplanation | None = None
+    detail: dict[str, str] | None = None
 
     @model_serializer(mode="wrap")
     def _without_absent_miss(self, handler):
-        # Absent, not null: clients from before the field refuse unknown fields.
+        # Absent, not null: clients from before the fields refuse unknown fields.
         document = handler(self)
-        if document.get("miss") is None:
-            document.pop("miss", None)
+        for name in ("miss", "detail"):
+            if document.get(name) is None:
+                document.pop(name, None)
         return document
 
 

@@ -16,7 +16,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from cgstore_client.wire.tokens import MAX_SUB_LEN
 
@@ -269,10 +269,23 @@ class ResolveHit(WireModel):
 
 
 class ResolveMiss(WireModel):
-    """A miss: identical whether the key is absent, yanked, unhealthy or held only where the caller cannot read."""
+    """A miss: identical whether the key is absent, yanked, unhealthy or held only where the caller cannot read.
+
+    ``detail``: only from a regional mirror that could not ask its upstream
+    (``{"upstream": "unavailable"}``): the key may exist there.
+    """
 
     key: str
     status: Literal["miss"] = "miss"
+    detail: dict[str, str] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_detail(self, handler):
+        # Absent, not null: a miss's bytes stay what clients from before the field parse.
+        document = handler(self)
+        if document.get("detail") is None:
+            document.pop("detail", None)
+        return document
 
 
 ResolveItem = Annotated[ResolveHit | ResolveMiss, Field(discriminator="status")]

@@ -99,3 +99,11 @@ class Jwks(BaseModel):
     """``GET /v1/keys``: every key that verifies now (retired keys are absent)."""
 
     keys: list[Jwk]
+
+
+class KeyStatements(BaseModel):
+    """``GET /v1/keys:statements``: the JWKS of ``GET /v1/keys`` signed by each key the store signs with (compact
+    JWS, ``typ`` ``cgstore-keyset+jwt``, claims ``iss``, ``aud`` ``cgstore-keyset``, ``iat``, ``keys``). A key
+    rotated in is thereby announced under the keys trusted before it: how a regional mirror follows a rotation."""
+
+    statements: list[str]

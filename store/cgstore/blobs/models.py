@@ -29,6 +29,9 @@ class Blob(Base):
                   going or gone): readers treat it as absent and links refuse it.
       health      what the last check of the stored bytes found: ``ok``, ``missing`` or
                   ``corrupt`` (set by the scrub, back to ``ok`` by a verified re-upload).
+      last_served_at  on a mirror, the last time a download served it (written at most once a
+                  minute per blob); NULL: never since it was stored. Mirror eviction
+                  (``mirror/eviction.py``) goes by it.
     """
 
     __tablename__ = "blobs"
@@ -39,6 +42,7 @@ class Blob(Base):
     linked_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, nullable=False)
     collecting_since: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
     health: Mapped[str] = mapped_column(String(16), nullable=False, default=BLOB_OK, server_default=BLOB_OK)
+    last_served_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class RepoBlob(Base):

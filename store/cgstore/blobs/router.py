@@ -18,6 +18,8 @@ from cgstore.core.http import (
     parse_range,
     read_json,
 )
+from cgstore.mirror import eviction
+from cgstore.mirror import service as mirror
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 
@@ -54,7 +56,7 @@ async def head_blob(
     ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Whether the repo holds the blob, and its size (a miss and an unreadable blob look alike)."""
-    location = await run_in_threadpool(service.locate, ctx, claims, owner, repo, digest)
+    location = await run_in_threadpool(mirror.locate_blob, ctx, claims, owner, repo, digest)
     return Response(status_code=200, headers=_blob_headers(location.digest, location.size))
 
 
@@ -68,7 +70,9 @@ async def get_blob(
     ctx: StoreContext = Depends(get_context),
 ) -> Response:
     """Download a blob (ranges allowed; on S3, 307 to a presigned URL)."""
-    location = await run_in_threadpool(service.locate, ctx, claims, owner, repo, digest)
+    location = await run_in_threadpool(mirror.locate_blob, ctx, claims, owner, repo, digest)
+    if eviction.is_mirror(ctx):  # a mirror evicts what its workers stopped downloading
+        await run_in_threadpool(eviction.note_served, ctx, location.digest)
     url = await run_in_threadpool(service.download_url, ctx, location)
     if url is not None:
         return RedirectResponse(url, status_code=307, headers={"ETag": f'"{location.digest}"'})

@@ -74,6 +74,8 @@ class CompiledGraph(Base):
       release               the publisher's release label (endpoint release, image), or NULL.
       code_fingerprint      cf1: the model's source files, as the publisher declared it, or NULL.
       drift_reports         how many times a worker reported serving this graph drifted from its live model.
+      origin                which store admitted the record: NULL, this one; on a regional mirror, the upstream's
+                            URL (the row and its receipt were pulled from there, unchanged).
     """
 
     __tablename__ = "compiled_graphs"
@@ -157,6 +159,7 @@ class CompiledGraph(Base):
     release: Mapped[str | None] = mapped_column(String(128), nullable=True)
     code_fingerprint: Mapped[str | None] = mapped_column(String(71), nullable=True)
     drift_reports: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default=text("0"))
+    origin: Mapped[str | None] = mapped_column(String(300), nullable=True)
 
 
 class CompiledGraphComponent(Base):

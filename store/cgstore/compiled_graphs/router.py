@@ -16,6 +16,7 @@ from cgstore.compiled_graphs import events, publishing, records, reports, search
 from cgstore.context import StoreContext, get_context
 from cgstore.core.cursors import CURSOR_LEN
 from cgstore.core.http import QueryInt, error_doc, json_body, read_json
+from cgstore.mirror import service as mirror
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.dependencies import require_claims
 from cgstore_client.wire.discovery import DiscoverAnswer, DiscoverRequest, DriftReport
@@ -74,8 +75,8 @@ async def get_record(
     claims: Claims = Depends(require_claims),
     ctx: StoreContext = Depends(get_context),
 ) -> Response:
-    """The live record of a key in this repo."""
-    return _json(await run_in_threadpool(records.get_record, ctx, claims, owner, repo, key))
+    """The live record of a key in this repo (a mirror pulls it from its upstream on a miss)."""
+    return _json(await run_in_threadpool(mirror.get_record, ctx, claims, owner, repo, key))
 
 
 @repo_router.get("", response_model=RecordPage)
@@ -150,7 +151,7 @@ async def resolve(
     """Look up ck1 keys of a family: the best readable live record of each, or a miss."""
     query = await read_json(request, ResolveRequest, ctx.settings.max_json_bytes)
     urls_for = search.download_urls(ctx)
-    return Response(await run_in_threadpool(search.resolve, ctx, claims, query, urls_for), media_type=_JSON)
+    return Response(await run_in_threadpool(mirror.resolve, ctx, claims, query, urls_for), media_type=_JSON)
 
 
 @resolve_router.post(
@@ -167,7 +168,7 @@ async def discover(
     """Find live records by declaration (family, envelope, sm, toolchain), without a ck1 key: best first."""
     query = await read_json(request, DiscoverRequest, ctx.settings.max_json_bytes)
     urls_for = search.download_urls(ctx)
-    return Response(await run_in_threadpool(search.discover, ctx, claims, query, urls_for), media_type=_JSON)
+    return Response(await run_in_threadpool(mirror.discover, ctx, claims, query, urls_for), media_type=_JSON)
 
 
 @resolve_router.get(

@@ -84,10 +84,13 @@ _RESOLVE_COLUMNS = (
 )
 
 
-def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for: UrlsFor) -> bytes:
+def resolve(
+    ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for: UrlsFor, *, count: bool = True
+) -> bytes:
     """One answer per requested key, in order: the best readable live record, or a miss.
 
-    Returns the ``ResolveAnswer`` JSON itself (see ``_answer``).
+    Returns the ``ResolveAnswer`` JSON itself (see ``_answer``). ``count=False``: not
+    counted in the metrics (a mirror counts its answer once, after pulling its misses).
     """
     for key in request.keys:
         if not is_key(key):
@@ -117,8 +120,9 @@ def resolve(ctx: StoreContext, claims: Claims, request: ResolveRequest, urls_for
     urls = urls_for(_blob_refs(best.values(), repos, components))
     hits = {key: _answer(key, row, repos, components, urls) for key, row in best.items()}
     answers = [hits.get(key) or {"key": key, "status": "miss"} for key in request.keys]
-    hit_count = sum(1 for key in request.keys if key in hits)
-    ctx.metrics.count_resolve(request.family, hit_count, len(answers) - hit_count)
+    if count:
+        hit_count = sum(1 for key in request.keys if key in hits)
+        ctx.metrics.count_resolve(request.family, hit_count, len(answers) - hit_count)
     # Serialized once, in pydantic-core, from plain data built in the wire types'
     # field order: validating 128 hits into models only to dump them again was a
     # fifth of a resolve's CPU. tests/compiled_graphs/test_resolve_api.py checks

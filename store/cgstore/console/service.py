@@ -58,6 +58,8 @@ from cgstore.core.db import utcnow
 from cgstore.core.errors import BadRequest, KeyConflict, NameUnknown, StoreError
 from cgstore.core.http import parse_number
 from cgstore.core.names import validate_owner, validate_repo
+from cgstore.mirror import follower as mirror_follower
+from cgstore.mirror import service as mirror
 from cgstore.operations import leases
 from cgstore.tokens.claims import Claims
 from cgstore.tokens.ring import KeyInfo
@@ -361,6 +363,23 @@ class StorageView:
     open_uploads: int
     leases: list[leases.LeaseInfo]
     now: dt.datetime
+    #: On a mirror, its upstream section (None: this store has no upstream).
+    upstream: UpstreamView | None = None
+
+
+@dataclass(frozen=True)
+class UpstreamView:
+    """A mirror's upstream as the Storage page shows it: never the upstream token, only its URL and figures."""
+
+    status: mirror.MirrorStatus
+    #: Seconds behind the upstream's events feed (``mirror.follower.sync_lag_s``); NaN before the first contact.
+    sync_lag_s: float
+    last_contact: dt.datetime | None
+    preheat: bool
+    evict_after_s: int
+    follow_wait_s: int
+    families: str
+    sms: str
 
 
 def storage(ctx: StoreContext, claims: Claims) -> StorageView:
@@ -374,6 +393,26 @@ def storage(ctx: StoreContext, claims: Claims) -> StorageView:
         open_uploads=blobs.open_session_count(ctx),
         leases=leases.list_leases(ctx.db),
         now=utcnow(),
+        upstream=upstream_view(ctx),
+    )
+
+
+def upstream_view(ctx: StoreContext) -> UpstreamView | None:
+    """The Storage page's upstream section of a mirror (None on a store without an upstream)."""
+    status = mirror.state(ctx)
+    if status is None:
+        return None
+    settings = ctx.settings
+    contact = status.last_contact
+    return UpstreamView(
+        status=status,
+        sync_lag_s=mirror_follower.sync_lag_s(ctx),
+        last_contact=dt.datetime.fromtimestamp(contact, dt.UTC) if contact is not None else None,
+        preheat=settings.mirror_preheat,
+        evict_after_s=settings.mirror_evict_after,
+        follow_wait_s=settings.mirror_follow_wait_s,
+        families=settings.mirror_families,
+        sms=settings.mirror_sm,
     )
 
 

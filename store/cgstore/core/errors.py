@@ -98,6 +98,12 @@ class RangeInvalid(StoreError):
         return {"Content-Range": f"bytes */{size}"} if isinstance(size, int) else {}
 
 
+class MirrorReadOnly(StoreError):
+    """A write sent to a regional mirror: it is read-only; ``detail.upstream`` names where writes go."""
+
+    code, status = "MIRROR_READ_ONLY", 403
+
+
 class BadRequest(StoreError):
     """Malformed request body or parameters that no more specific code covers."""
 

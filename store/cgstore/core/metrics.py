@@ -1,5 +1,5 @@
 """Prometheus metrics: requests, bytes, upload sessions, publish outcomes, resolve hits and misses,
-mint claims, background tasks and GC.
+mint claims, background tasks and GC, and a mirror's following of its upstream.
 
 Collected by a pure ASGI middleware (it never buffers a streamed body) into a
 registry owned by the app, so several apps in one process don't collide.
@@ -88,6 +88,67 @@ class Metrics:
             "Mint claims held and not expired (read from the database at scrape time).",
             registry=self.registry,
         )
+
+        # A regional mirror's (docs/operations.md "Regional mirrors"); on any other store they stay 0 / NaN.
+        self.mirror_upstream_up = Gauge(
+            "cgstore_mirror_upstream_up",
+            "On a mirror: 1 while its upstream answers, 0 while it does not (NaN: not a mirror, or not asked yet).",
+            registry=self.registry,
+        )
+        self.mirror_pulled_bytes = Counter(
+            "cgstore_mirror_pulled_bytes_total",
+            "Blob bytes a mirror pulled from its upstream (verified and stored).",
+            registry=self.registry,
+        )
+        self.mirror_pulls_refused = Counter(
+            "cgstore_mirror_pulls_refused_total",
+            "Records a mirror refused to store: a blob, receipt or key that failed verification.",
+            registry=self.registry,
+        )
+        self.mirror_alarms = Counter(
+            "cgstore_mirror_alarms_total",
+            "Times a mirror refused a key set its upstream served that no trusted key vouches for.",
+            registry=self.registry,
+        )
+
+        # Its follower (``mirror/follower.py``) and eviction (``mirror/eviction.py``); zero off a mirror.
+        self.mirror_feed_events = Counter(
+            "cgstore_mirror_feed_events_total",
+            "Events of the upstream's record events feed a mirror applied, by kind (published, yanked).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.mirror_sync_lag = Gauge(
+            "cgstore_mirror_sync_lag_seconds",
+            "How far a mirror's following of its upstream's events feed is behind: 0 while a long-poll is open "
+            "after catching up, else the seconds since it last was (grows through an upstream outage); NaN off a "
+            "mirror or before the first contact (read from the database at scrape time).",
+            registry=self.registry,
+        )
+        self.mirror_preheats = Counter(
+            "cgstore_mirror_preheats_total",
+            "Records a mirror preheated as the upstream's feed announced them, by outcome (pulled, filtered, failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.mirror_resyncs = Counter(
+            "cgstore_mirror_feed_resyncs_total",
+            "Times a mirror's feed cursor was refused as too old and every mirrored record was re-checked upstream.",
+            registry=self.registry,
+        )
+        self.mirror_evicted = Counter(
+            "cgstore_mirror_evicted_records_total",
+            "Mirrored records evicted, unused for CGSTORE_MIRROR_EVICT_AFTER (pulled again on demand).",
+            registry=self.registry,
+        )
+
+    def watch_upstream(self, up: Callable[[], float]) -> None:
+        """Read whether a mirror's upstream answers at scrape time (per process)."""
+        self.mirror_upstream_up.set_function(up)
+
+    def watch_mirror_lag(self, lag: Callable[[], float]) -> None:
+        """Read the mirror's sync lag from the database at scrape time (whichever replica follows)."""
+        self.mirror_sync_lag.set_function(lag)
 
     def count_resolve(self, family: str, hits: int, misses: int) -> None:
         """Hits and misses of one resolve, labelled by family only if the family is allow-listed."""

@@ -18,9 +18,12 @@ router = APIRouter(tags=["service"])
 
 
 @router.get("/healthz")
-async def healthz() -> dict:
-    """Liveness: the process answers."""
-    return {"status": "ok"}
+async def healthz(ctx: StoreContext = Depends(get_context)) -> dict:
+    """Liveness: the process answers (200 whatever else holds). A mirror says ``degraded`` while its upstream
+    does not answer, it trusts no upstream keys yet, or it refused a key set; ``mirror`` says which."""
+    if ctx.mirror is None:
+        return {"status": "ok"}
+    return await run_in_threadpool(service.mirror_health, ctx)
 
 
 @router.get("/readyz", responses={503: {"description": "not ready: the failing checks say which"}})

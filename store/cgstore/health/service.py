@@ -9,6 +9,7 @@ from prometheus_client import generate_latest
 from cgstore import access
 from cgstore.context import StoreContext
 from cgstore.core.errors import NameUnknown, StoreError
+from cgstore.mirror import service as mirror
 from cgstore_client.wire.records import MAX_RESOLVE_KEYS
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,23 @@ def metrics_text(ctx: StoreContext, authorization: str | None) -> bytes:
     if not access.can_scrape_metrics(authorization, configured.get_secret_value() if configured else None):
         raise NameUnknown("Not Found")
     return generate_latest(ctx.metrics.registry)
+
+
+def mirror_health(ctx: StoreContext) -> dict:
+    """``/healthz`` of a mirror: its upstream asked if not heard from lately (bounded), then its state."""
+    mirror.probe(ctx)
+    status = mirror.state(ctx)
+    assert status is not None
+    return {
+        "status": "degraded" if status.degraded else "ok",
+        "mirror": {
+            "upstream": status.upstream,
+            "reachable": status.reachable,
+            "last_contact": status.last_contact,
+            "trusted_fingerprint": status.trusted_fingerprint,
+            "alarm": status.alarm,
+        },
+    }
 
 
 def readiness(ctx: StoreContext) -> dict[str, str]:

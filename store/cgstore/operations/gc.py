@@ -22,7 +22,9 @@ anywhere is finished by the next one:
 After the blobs, GC reaps expired upload sessions and drops staged uploads
 no session row names any more, once last written longer ago than the grace.
 The periodic round (``collect_garbage``) also trims the record events feed
-past its horizon (``compiled_graphs.events.trim``, ``CGSTORE_EVENTS_RETENTION_S``).
+past its horizon (``compiled_graphs.events.trim``, ``CGSTORE_EVENTS_RETENTION_S``)
+and, first, on a mirror, evicts mirrored records unused for
+``CGSTORE_MIRROR_EVICT_AFTER`` (``mirror.eviction``), whose blobs this round then collects.
 
 The scan walks blobs by digest with a keyset cursor, saved in the GC lease
 after every batch, so a successor on another replica resumes where a dead
@@ -45,6 +47,7 @@ from cgstore.compiled_graphs import events, retention
 from cgstore.context import StoreContext
 from cgstore.core.db import utcnow
 from cgstore.core.faults import crash_point
+from cgstore.mirror import eviction
 from cgstore.operations import leases
 from cgstore.operations.leases import HeldLease
 
@@ -234,6 +237,10 @@ def _heartbeat(lease: HeldLease | None) -> Callable[[], None]:
 
 def collect_garbage(ctx: StoreContext, lease: HeldLease) -> int:
     """The periodic GC round (``operations.service.run_periodically``): returns blobs deleted."""
+    # A mirror's unused records go first, so their blobs go in this same round (past the grace).
+    evicted = eviction.evict(ctx, heartbeat=lease.renew)
+    if evicted.records:
+        log.info("gc: evicted %d mirrored records unused for %d s", evicted.records, ctx.settings.mirror_evict_after)
     report = collect(ctx, lease=lease)
     # The events feed's retention rides the same round (one replica at a time, under the GC lease).
     trimmed = events.trim(ctx)

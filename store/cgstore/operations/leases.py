@@ -27,6 +27,7 @@ UPLOAD_REAPER = "upload-reaper"
 GC = "gc"
 SCRUB = "scrub"
 AUDIT_CHECKPOINT = "audit-checkpoint"
+MIRROR_FOLLOW = "mirror-follow"
 
 
 class LeaseLost(RuntimeError):

@@ -57,6 +57,11 @@ UNKNOWN_KEY_HINT = (
 )
 
 
+#: The ``typ`` and ``aud`` of a key-set statement (``KeyRing.key_statements``): never a token's or a receipt's.
+KEYSET_TYP = "cgstore-keyset+jwt"
+KEYSET_AUDIENCE = "cgstore-keyset"
+
+
 class KeyConfigError(RuntimeError):
     """A configured key file is unreadable or not an Ed25519 key.
 
@@ -214,6 +219,23 @@ class KeyRing:
             select(SigningKey).where(SigningKey.retired_at.is_(None)).order_by(SigningKey.created_at, SigningKey.kid)
         ).all()
         return [jwk(row.kid, self._public_key(row)) for row in rows]
+
+    def key_statements(self, session: Session, issuer: str, now: int) -> list[str]:
+        """The JWKS that verifies now (``jwks``), signed by each of its keys whose private half is on this host
+        (``GET /v1/keys:statements``): a key rotated in is announced under the keys that verified before it,
+        which is how a mirror that trusts those follows the rotation (``mirror/trust.py``). Header ``typ``
+        ``KEYSET_TYP`` (never a token's or a receipt's), claims ``iss``, ``aud`` ``KEYSET_AUDIENCE``, ``iat``, ``keys``."""
+        import jwt
+
+        keys = self.jwks(session)
+        claims = {"iss": issuer, "aud": KEYSET_AUDIENCE, "iat": now, "keys": keys}
+        statements = []
+        for key in keys:
+            private = self._private_key(key["kid"])
+            if private is not None:
+                headers = {"kid": key["kid"], "typ": KEYSET_TYP}
+                statements.append(jwt.encode(claims, private, algorithm="EdDSA", headers=headers))
+        return statements
 
     # -- internals ------------------------------------------------------------------------
 

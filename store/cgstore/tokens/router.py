@@ -9,6 +9,7 @@ attenuation answer carries a signed token (the new one): those two say
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -17,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from cgstore.access import is_admin
 from cgstore.context import StoreContext, get_context
 from cgstore.core.http import QueryInt, json_body, read_json
+from cgstore.mirror.trust import trusted_keys
 from cgstore.tokens import service
 from cgstore.tokens.claims import MAX_JTI_LEN, MAX_SUB_LEN, Claims
 from cgstore.tokens.dependencies import require_claims
@@ -27,6 +29,7 @@ from cgstore_client.wire.tokens import (
     GrantSpec,
     Jwk,
     Jwks,
+    KeyStatements,
     MintRequest,
     MintResponse,
     RevokeResponse,
@@ -96,9 +99,22 @@ async def revoke_token(
 
 @router.get("/keys", response_model=Jwks)
 async def keys(ctx: StoreContext = Depends(get_context)) -> Jwks:
-    """The store's public keys (JWKS): verify tokens and receipts offline."""
+    """The store's public keys (JWKS): verify tokens and receipts offline (a mirror's lists its upstream's too).
+
+    A regional mirror adds the upstream keys it trusts, which signed the receipts it serves."""
     jwks = await run_in_threadpool(_jwks, ctx)
     return Jwks(keys=[Jwk(**key) for key in jwks])
+
+
+@router.get("/keys:statements", response_model=KeyStatements)
+async def key_statements(ctx: StoreContext = Depends(get_context)) -> KeyStatements:
+    """The JWKS signed by each key this store signs with: a mirror adopts a rotation announced under a key it trusts."""
+    return KeyStatements(statements=await run_in_threadpool(_statements, ctx))
+
+
+def _statements(ctx: StoreContext) -> list[str]:
+    with ctx.db.session() as session:
+        return ctx.tokens.ring.key_statements(session, ctx.settings.token_issuer, int(time.time()))
 
 
 def _not_stored(response: Response) -> None:
@@ -108,7 +124,13 @@ def _not_stored(response: Response) -> None:
 
 def _jwks(ctx: StoreContext) -> list[dict[str, str]]:
     with ctx.db.session() as session:
-        return ctx.tokens.ring.jwks(session)
+        own = ctx.tokens.ring.jwks(session)
+    if ctx.settings.upstream_url is None:
+        return own
+    # The upstream's receipts verify against these; they authenticate nothing here (tokens are checked
+    # against this store's own key table, never this answer).
+    kids = {key["kid"] for key in own}
+    return own + [key for key in trusted_keys(ctx.db) if key.get("kid") not in kids]
 
 
 def _grants(grants: list[GrantSpec]) -> list[dict]:
