@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -261,11 +262,18 @@ def _pull_record(ctx: StoreContext, runtime: MirrorRuntime, owner: str, repo: st
     kid = _verified(ctx, runtime, document, owner, repo, key)
     blobs = [(record.manifest.artifact.digest, record.manifest.artifact.size)]
     blobs += [(c.digest, c.size) for c in record.manifest.components]
-    for digest, size in blobs:
-        try:
-            pull_blob(ctx, owner, repo, digest, size, holder=record.publisher.principal)
-        except PullRefused as err:
-            raise _refused(ctx, owner, repo, key, str(err)) from None
+    # A record's blobs cross the far link together: one at a time, a small component's lone first part
+    # and the end of each blob leave the link idle (the preheat lag of bench/mirror.py).
+    with ThreadPoolExecutor(len(blobs), thread_name_prefix="mirror-pull") as pool:
+        pulls = [
+            pool.submit(pull_blob, ctx, owner, repo, digest, size, holder=record.publisher.principal)
+            for digest, size in blobs
+        ]
+        for pull in pulls:
+            try:
+                pull.result()
+            except PullRefused as err:
+                raise _refused(ctx, owner, repo, key, str(err)) from None
     _store(ctx, runtime, owner, repo, record, derived, kid)
     runtime.count_record()
     return True
@@ -514,13 +522,11 @@ def apply_yank(ctx: StoreContext, owner: str, repo: str, key: str, reason: str) 
         if not rows:
             return False
         now = utcnow()
-        for row in rows:
-            session.execute(
-                update(CompiledGraph)
-                .where(CompiledGraph.id == row.id)
-                .values(yanked_at=now, yanked_by=trust.MIRROR_ACTOR, yank_reason=reason[:1000])
-            )
-            row.yanked_at, row.yanked_by, row.yank_reason = now, trust.MIRROR_ACTOR, reason[:1000]
+        # The follower and a pull's check may yank the same row at once: only a row still live when its update
+        # runs (PostgreSQL re-reads it after the other's commit) is yanked, audited and told on the feed.
+        rows = [row for row in rows if _yank_row(session, row, now, reason[:1000])]
+        if not rows:
+            return False
         audit(
             session,
             actor=trust.MIRROR_ACTOR,
@@ -538,6 +544,19 @@ def apply_yank(ctx: StoreContext, owner: str, repo: str, key: str, reason: str) 
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _yank_row(session, row: CompiledGraph, now, reason: str) -> bool:
+    """Yank ``row`` if it is still live; whether this call did."""
+    done = session.execute(
+        update(CompiledGraph)
+        .where(CompiledGraph.id == row.id, CompiledGraph.yanked_at.is_(None))
+        .values(yanked_at=now, yanked_by=trust.MIRROR_ACTOR, yank_reason=reason)
+    )
+    if done.rowcount != 1:
+        return False
+    row.yanked_at, row.yanked_by, row.yank_reason = now, trust.MIRROR_ACTOR, reason
+    return True
 
 
 def _readable(claims: Claims, owner: str, repo: str) -> bool:
