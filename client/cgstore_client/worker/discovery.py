@@ -733,7 +733,7 @@ def _confirm(client: Client, booted: Booted, model, example_inputs) -> None:
     loaded = booted.loaded
     recorded = loaded.record["manifest"]["axes"]["graph"]
     try:
-        measured = live_graph_digest(model, example_inputs, loaded.input_contract)
+        measured = live_graph_digest(model, example_inputs, loaded.input_contract, recorded=recorded)
     except Exception as err:  # any export failure: serving goes on, unconfirmed
         log.warning("cgstore: could not confirm %s (the live model did not export: %s)", loaded.key, err)
         booted._settle(SKIPPED)
@@ -752,15 +752,21 @@ def _confirm(client: Client, booted: Booted, model, example_inputs) -> None:
     booted._settled.set()
 
 
-def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str:
+def live_graph_digest(model, example_inputs, contract: Mapping[str, Any], *, recorded: str | None = None) -> str:
     """The graph digest of ``model`` exported on ``example_inputs`` with the contract's dynamic dims.
 
     The record's graph was exported with symbolic dims (ranges in the
     contract's ``dims``); exporting the live model with the same ranges makes
-    an identical computation give an identical digest.
+    an identical computation give an identical digest. A record minted from a
+    program that crossed a process (a fleet's mint child loads what its worker
+    saved) holds the graph after one save/load round trip, which can differ
+    from a fresh export's (:func:`serialized_graph_digest`): when the fresh
+    digest is not ``recorded``, the round-tripped one is the answer.
     """
     import torch
     from torch.utils import _pytree as pytree
+
+    from cgstore_client.archive import graph_digest_from_program
 
     declared = {spec["path"]: spec["shape"] for spec in contract.get("inputs") or []}
     dims = {
@@ -775,7 +781,8 @@ def live_graph_digest(model, example_inputs, contract: Mapping[str, Any]) -> str
     args = tuple(example_inputs)
     with model_lock(model):
         program = torch.export.export(model, args, dynamic_shapes=pytree.tree_map_with_path(dynamic, args))
-    return serialized_graph_digest(program)
+    fresh = graph_digest_from_program(program)
+    return fresh if recorded in (None, fresh) else serialized_graph_digest(program)
 
 
 def serialized_graph_digest(program) -> str:
@@ -784,7 +791,8 @@ def serialized_graph_digest(program) -> str:
     The store measures a record's graph from the program serialized in its archive, and one round
     trip through ``torch.export.save``/``load`` can change what a fresh export says (HF GPT-2's
     attention: a stride torch rewrites on load), after which it is stable. A live model's export is
-    compared in the same form, or an unchanged model would drift."""
+    compared in that form too when its fresh form does not match, or an unchanged model minted by a
+    fleet's child would drift."""
     import io
 
     import torch
