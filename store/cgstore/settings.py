@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qs, urlparse
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1 << 20
@@ -279,7 +279,7 @@ class Settings(BaseSettings):
 
     @field_validator("public_url", "upstream_url")
     @classmethod
-    def _absolute_http_url(cls, value: str | None) -> str | None:
+    def _absolute_http_url(cls, value: str | None, info: ValidationInfo) -> str | None:
         """An http(s) origin and optional path prefix, kept without its trailing slash; empty is unset."""
         if not value:
             return None
@@ -292,7 +292,8 @@ class Settings(BaseSettings):
             or parsed.params
             or "@" in parsed.netloc
         ):
-            raise ValueError("an http(s) URL without credentials, query or fragment")
+            variable = f"CGSTORE_{info.field_name.upper()}"
+            raise ValueError(f"{variable} is an http(s) URL without credentials, query or fragment")
         return value.rstrip("/")
 
     @cached_property
