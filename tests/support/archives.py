@@ -34,6 +34,7 @@ archive A's program in a fresh process (what the builder does).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import json
 import os
@@ -290,13 +291,17 @@ def _mint_in_subprocess(path: Path, scratch: Path) -> float:
 def build_archives(directory: Path) -> dict[str, object]:
     """Compile the five session archives into ``directory``; returns the build record."""
     directory.mkdir(parents=True, exist_ok=True)
-    seconds = {
-        ARCHIVE_A: mint_tiny(directory / ARCHIVE_A, seed=0),
-        ARCHIVE_REWEIGHTED: mint_tiny(directory / ARCHIVE_REWEIGHTED, seed=1),
-        ARCHIVE_SECOND_MINT: _mint_in_subprocess(directory / ARCHIVE_SECOND_MINT, directory / "scratch"),
-        ARCHIVE_TIED: _timed_mint(tied_program(), directory / ARCHIVE_TIED),
-        ARCHIVE_SIGMOID: _timed_mint(tiny_program(activation="sigmoid"), directory / ARCHIVE_SIGMOID),
-    }
+    # The second mint runs in its own interpreter anyway: beside the in-process ones, on the other core (a
+    # fresh clone builds all five while every test worker waits for them).
+    with concurrent.futures.ThreadPoolExecutor(1) as beside:
+        second = beside.submit(_mint_in_subprocess, directory / ARCHIVE_SECOND_MINT, directory / "scratch")
+        seconds = {
+            ARCHIVE_A: mint_tiny(directory / ARCHIVE_A, seed=0),
+            ARCHIVE_REWEIGHTED: mint_tiny(directory / ARCHIVE_REWEIGHTED, seed=1),
+            ARCHIVE_TIED: _timed_mint(tied_program(), directory / ARCHIVE_TIED),
+            ARCHIVE_SIGMOID: _timed_mint(tiny_program(activation="sigmoid"), directory / ARCHIVE_SIGMOID),
+        }
+        seconds[ARCHIVE_SECOND_MINT] = second.result()
     shutil.rmtree(directory / "scratch", ignore_errors=True)
     return {"compile_seconds": seconds, "compiles": len(seconds)}
 
