@@ -494,19 +494,16 @@ def _store(
             CompiledGraphComponent(record_id=row.id, name=name, digest=digest, size=size)
             for name, digest, size in components
         )
-        audit(
+        _audit(
             session,
-            actor=trust.MIRROR_ACTOR,
-            jti=None,
-            action=ACTION_PULL,
-            target=f"{owner}/{repo}:{record.key}",
-            repo=f"{owner}/{repo}",
-            detail={
-                "upstream": runtime.upstream.url,
-                "artifact": manifest.artifact.digest,
-                "bytes": manifest.artifact.size + sum(size for _, _, size in components),
-                "receipt_kid": kid,
-            },
+            ACTION_PULL,
+            owner,
+            repo,
+            record.key,
+            upstream=runtime.upstream.url,
+            artifact=manifest.artifact.digest,
+            bytes=manifest.artifact.size + sum(size for _, _, size in components),
+            receipt_kid=kid,
         )
         events.published(session, ctx.feed, target, row)  # the feed's lock: last, after the audit's
 
@@ -521,29 +518,34 @@ def apply_yank(ctx: StoreContext, owner: str, repo: str, key: str, reason: str) 
         rows = list(session.scalars(live_query(target.id, key)))
         if not rows:
             return False
-        now = utcnow()
+        now, reason = utcnow(), reason[:1000]
         # The follower and a pull's check may yank the same row at once: only a row still live when its update
         # runs (PostgreSQL re-reads it after the other's commit) is yanked, audited and told on the feed.
-        rows = [row for row in rows if _yank_row(session, row, now, reason[:1000])]
+        rows = [row for row in rows if _yank_row(session, row, now, reason)]
         if not rows:
             return False
-        audit(
-            session,
-            actor=trust.MIRROR_ACTOR,
-            jti=None,
-            action=ACTION_YANK,
-            target=f"{owner}/{repo}:{key}",
-            repo=f"{owner}/{repo}",
-            detail={"reason": reason[:1000], "upstream": ctx.settings.upstream_url},
-        )
+        _audit(session, ACTION_YANK, owner, repo, key, reason=reason, upstream=ctx.settings.upstream_url)
         for row in rows:
-            events.yanked(session, ctx.feed, target, row, reason[:1000])
+            events.yanked(session, ctx.feed, target, row, reason)
     if ctx.mirror is not None:
         ctx.mirror.negatives.forget(("record", owner, repo, key))
     return True
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _audit(session, action: str, owner: str, repo: str, key: str, **detail: object) -> None:
+    """The mirror's own audit entry of ``action`` on ``owner/repo``'s record of ``key``."""
+    audit(
+        session,
+        actor=trust.MIRROR_ACTOR,
+        jti=None,
+        action=action,
+        target=f"{owner}/{repo}:{key}",
+        repo=f"{owner}/{repo}",
+        detail=detail,
+    )
 
 
 def _yank_row(session, row: CompiledGraph, now, reason: str) -> bool:
