@@ -5,7 +5,7 @@
 #   make docs    regenerate the reference tables in docs/
 
 PYTHON ?= python3
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -53,7 +53,7 @@ serve: install
 # module fixtures stay in one process, and each worker starts its own services.
 # Long fuzz and soak runs are marked and left to their own targets (CI runs `make test`).
 test: install-dev chromium ceph lint
-	$(PY) -m pytest -m "not fuzz and not soak" -n $(TEST_WORKERS) --dist loadfile --durations=20 --junitxml=.test-results/junit.xml $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not fuzz and not soak" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 --junitxml=.test-results/junit.xml $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml: pyflakes, isort, bugbear, pyupgrade, and the formatter's check.
 lint: install-dev

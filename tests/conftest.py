@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import secrets
 
@@ -12,6 +13,41 @@ from tests.support import services
 from tests.support.live_store import CONFIGURATIONS, running_store, session_servers, settings_for
 
 pytest_plugins: list[str] = ["tests.support.archives"]
+
+#: The suite's longest files (seconds each took in three xdist workers on 2026-12-07), handed out first: xdist
+#: deals out whole files in collection order (``make test`` passes ``--no-loadscope-reorder``; its own order,
+#: the most tests first, dealt these out last, and the run ended on one of them while the other workers
+#: idled). The first three need no compiled archive, so the workers start on them while the session builds
+#: the archives (``tests.support.archives``). The other files follow, the most tests first.
+RUN_FIRST = (
+    "tests/operations/test_gc.py",  # 143 s
+    "tests/storage/test_storage.py",  # 105
+    "tests/faults/test_crashes.py",  # 78
+    "tests/fleet/test_fleet.py",  # 254
+    "tests/security/test_miss_timing.py",  # 250
+    "tests/client/test_discover_boot.py",  # 169
+    "tests/console/test_console_http.py",  # 140
+    "tests/compiled_graphs/test_admission_api.py",  # 113
+    "tests/faults/test_publish_and_gc_crashes.py",  # 89
+    "tests/console/test_console_browser.py",  # 66
+    "tests/client/test_boot.py",  # 63
+    "tests/compiled_graphs/test_races_and_outages.py",  # 58
+    "tests/operations/test_scrub.py",  # 58
+    "tests/mirror/test_pull_through.py",  # 51
+    "tests/client/test_client_blobs.py",  # 50
+    "tests/operations/test_leases.py",  # 44
+    "tests/claims/test_claims.py",  # 44
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Whole files in ``RUN_FIRST`` order, then the others with the most tests first (a stable sort:
+    each file's own order is kept)."""
+    files = [item.nodeid.split("::", 1)[0] for item in items]
+    counts = collections.Counter(files)
+    rank = {path: position for position, path in enumerate(RUN_FIRST)}
+    keys = {id(item): (rank.get(path, len(rank)), -counts[path], path) for item, path in zip(items, files, strict=True)}
+    items.sort(key=lambda item: keys[id(item)])
 
 
 @pytest.fixture(scope="session")
@@ -37,15 +73,37 @@ def session_bucket(s3_server) -> str:
     return s3_server.create_bucket()
 
 
-@pytest.fixture(scope="session", params=CONFIGURATIONS)
-def store(request, tmp_path_factory):
-    """The store, running, once per configuration: every test using it runs twice."""
-    configuration = request.param
+@contextlib.contextmanager
+def _session_store(request, tmp_path_factory, configuration: str):
     home = tmp_path_factory.mktemp(f"home-{configuration}")
     with running_store(
         settings_for(configuration, home, **session_servers(request, configuration)), configuration
     ) as live:
         yield live
+
+
+@pytest.fixture(scope="session")
+def embedded_store(request, tmp_path_factory):
+    """The session's embedded store (``store`` for one configuration)."""
+    with _session_store(request, tmp_path_factory, "embedded") as live:
+        yield live
+
+
+@pytest.fixture(scope="session")
+def production_store(request, tmp_path_factory, pg_url, session_bucket):
+    """The session's production store (``store`` for the other), stopped before its servers."""
+    with _session_store(request, tmp_path_factory, "production") as live:
+        yield live
+
+
+@pytest.fixture(scope="session", params=CONFIGURATIONS)
+def store(request):
+    """The store, running, once per configuration: every test using it runs twice.
+
+    A file's tests run for one configuration, then the other: both stores stay up for the whole
+    session (``embedded_store``, ``production_store``), as restarting one at each switch cost a second.
+    """
+    return request.getfixturevalue(f"{request.param}_store")
 
 
 @pytest.fixture

@@ -204,11 +204,14 @@ def searches(cache) -> dict[str, tuple[dict, dict, dict]]:
     }
 
 
-@pytest.mark.parametrize("hidden", [1, MANY_HIDDEN])
 @pytest.mark.parametrize("what", ["discover", "resolve"])
-def test_records_a_caller_cannot_see_do_not_slow_its_search(store, searched_cache, what, hidden):
+def test_records_a_caller_cannot_see_do_not_slow_its_search(store, searched_cache, what):
     """Before, both loaded every live match across tenants and filtered in Python: with 404 hidden records
-    a discover took 9.6 ms against 3.7 ms, slower in 149 of 150 pairs."""
+    a discover took 9.6 ms against 3.7 ms, slower in 149 of 150 pairs.
+
+    One case, ``MANY_HIDDEN`` records: alice's own (what a single hidden record measured, in a case of its
+    own until 2026-12-07), other tenants' in bob's cache and copies in repos he cannot search."""
+    hidden = MANY_HIDDEN
     hide_more(store, searched_cache, hidden - 1)
     hidden_body, absent, other_absent = searches(searched_cache)[what]
     path = f"/v1/compiled-graphs:{what}"
