@@ -49,8 +49,9 @@ serve: install
 # The test session itself starts PostgreSQL if it is down, creates and drops its own
 # database, and starts a single-host Ceph cluster whose RADOS Gateway (S3) listens on a
 # free loopback port (tests/support/services.py).
-# Two workers (TEST_WORKERS; 0 runs in this process), each a whole test file at a time: a file's
-# module fixtures stay in one process, and each worker starts its own services.
+# Three workers (TEST_WORKERS; 0 runs in this process), each a whole test file at a time: a file's
+# module fixtures stay in one process, and each worker starts its own services. Files are dealt out
+# longest first (tests/conftest.py RUN_FIRST), not xdist's most-tests-first.
 # Long fuzz and soak runs are marked and left to their own targets (CI runs `make test`).
 test: install-dev chromium ceph lint
 	$(PY) -m pytest -m "not fuzz and not soak" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 --junitxml=.test-results/junit.xml $(PYTEST_ARGS)

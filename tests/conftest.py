@@ -4,40 +4,74 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import secrets
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from cgstore.settings import Settings
-from tests.support import services
+from tests.support import archives, services
 from tests.support.live_store import CONFIGURATIONS, running_store, session_servers, settings_for
 
 pytest_plugins: list[str] = ["tests.support.archives"]
 
-#: The suite's longest files (seconds each took in three xdist workers on 2026-12-07), handed out first: xdist
+#: The suite's longest files (seconds each took in three xdist workers, 2026-12-07), handed out first: xdist
 #: deals out whole files in collection order (``make test`` passes ``--no-loadscope-reorder``; its own order,
-#: the most tests first, dealt these out last, and the run ended on one of them while the other workers
-#: idled). The first three need no compiled archive, so the workers start on them while the session builds
-#: the archives (``tests.support.archives``). The other files follow, the most tests first.
+#: the most tests first, dealt these out last, and the run ended on them while other workers idled). The
+#: first three need no compiled archive: the workers run them while the archives build (``pytest_configure``).
+#: The other files follow, the most tests first.
 RUN_FIRST = (
-    "tests/operations/test_gc.py",  # 143 s
-    "tests/storage/test_storage.py",  # 105
-    "tests/faults/test_crashes.py",  # 78
-    "tests/fleet/test_fleet.py",  # 254
-    "tests/security/test_miss_timing.py",  # 250
-    "tests/client/test_discover_boot.py",  # 169
-    "tests/console/test_console_http.py",  # 140
-    "tests/compiled_graphs/test_admission_api.py",  # 113
-    "tests/faults/test_publish_and_gc_crashes.py",  # 89
-    "tests/console/test_console_browser.py",  # 66
-    "tests/client/test_boot.py",  # 63
-    "tests/compiled_graphs/test_races_and_outages.py",  # 58
-    "tests/operations/test_scrub.py",  # 58
-    "tests/mirror/test_pull_through.py",  # 51
-    "tests/client/test_client_blobs.py",  # 50
-    "tests/operations/test_leases.py",  # 44
-    "tests/claims/test_claims.py",  # 44
+    "tests/operations/test_gc.py",  # 114 s
+    "tests/storage/test_storage.py",  # 112
+    "tests/faults/test_crashes.py",  # 99
+    "tests/client/test_discover_boot.py",  # 330, of which 140 the transformers archives' compiles
+    "tests/fleet/test_fleet.py",  # 309
+    "tests/security/test_miss_timing.py",  # 246
+    "tests/faults/test_publish_and_gc_crashes.py",  # 125
+    "tests/client/test_boot.py",  # 74
+    "tests/console/test_console_browser.py",  # 60
+    "tests/claims/test_claims.py",  # 49
+    "tests/operations/test_scrub.py",  # 46
+    "tests/client/test_docs_minting.py",  # 41
+    "tests/fleet/test_readme_fleet.py",  # 37
+    "tests/events/test_feed.py",  # 37
+    "tests/client/test_client_blobs.py",  # 36
+    "tests/audit/test_chain.py",  # 36
+    "tests/mirror/test_pull_through.py",  # 36
 )
+
+
+#: The controller's archive build, started at once when the session runs in workers (``pytest_configure``).
+ARCHIVE_BUILD = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In several workers, the controller starts filling the archive cache in a process of its own
+    (``python -m tests.support.archives build``, its output in ``.test-cache/build.log``) before any
+    worker runs. A fresh clone compiles them for a minute or more; built on demand, they were started
+    only once a worker's first file needing them began, and every worker then waited for them."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    archives.CACHE_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(archives.CACHE_ROOT.parent / "build.log", "wb") as log:
+        config.stash[ARCHIVE_BUILD] = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.archives", "build"],
+            cwd=archives.REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: stopped with the mint it runs beside it
+        )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A build the session never needed to finish (a few files ran) is stopped; its staging is dropped next time."""
+    build = config.stash.get(ARCHIVE_BUILD, None)
+    if build is not None and build.poll() is None:
+        os.killpg(build.pid, signal.SIGTERM)
+        build.wait(30)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

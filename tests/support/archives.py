@@ -28,7 +28,10 @@ fixtures ``pt2_archive``, ``pt2_archive_reweighted``,
 :func:`archive_report`.
 
 Run as ``python -m tests.support.archives mint <out.pt2> [--seed N]`` to mint
-archive A's program in a fresh process (what the builder does).
+archive A's program in a fresh process (what the builder does), and as
+``python -m tests.support.archives build`` to fill the cache (these archives,
+then ``hf_archives``'): a session in several workers starts that at once
+(``tests/conftest.py``), so the archives build while the first files run.
 """
 
 from __future__ import annotations
@@ -392,7 +395,16 @@ def _main(argv: list[str]) -> int:
     mint = commands.add_parser("mint", help="mint tiny_program(seed) to a path")
     mint.add_argument("path", type=Path)
     mint.add_argument("--seed", type=int, default=0)
+    commands.add_parser("build", help="fill the cache: the session archives, then the transformers ones")
     arguments = parser.parse_args(argv)
+    if arguments.command == "build":
+        from tests.support.hf_archives import HF_NAMES, hf_archive  # it builds on this module
+
+        record = ensure_archives().record
+        for name in HF_NAMES:
+            hf_archive(name)
+        print(json.dumps({"cold": record["cold"], "compiles": record["compiles"]}))
+        return 0
     print(json.dumps({"seconds": mint_tiny(arguments.path, arguments.seed)}))
     return 0
 

@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
 CACHE_ROOT = archives.REPO / ".test-cache" / "hf"
+#: The architectures ``hf_archive`` mints.
+HF_NAMES = ("gpt2", "bert")
 #: The one input both are exported on (static: batch 1, 8 tokens).
 IDS_SHAPE = (1, 8)
 VOCAB = 128
