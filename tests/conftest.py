@@ -1,4 +1,5 @@
-"""Session-wide fixtures: real PostgreSQL and S3 servers, and the store in both configurations."""
+"""Session-wide fixtures: real PostgreSQL and S3 servers, and the store in both configurations; and how a
+session in several workers is laid out (the longest files first, the archives built from its start)."""
 
 from __future__ import annotations
 
