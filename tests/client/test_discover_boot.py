@@ -31,6 +31,7 @@ from cgstore_client.keys import Envelope, Toolchain
 from cgstore_client.mint import derived_constants_path
 from tests.support.archives import REPO, tiny_inputs, tiny_model
 from tests.support.docs import example
+from tests.support.hf_archives import HF_NAMES
 from tests.support.live_store import CONFIGURATIONS, unique_repo
 from tests.support.services import free_port
 
@@ -364,7 +365,7 @@ print(json.dumps({"compiled": booted.compiled, "confirmation": booted.confirmati
 """
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize("name", HF_NAMES)
 def test_a_transformers_model_boots_in_another_process_on_a_save_pretrained_checkpoint(store, tmp_path, name):
     """GPT-2 (tied LM head) and BERT (non-persistent buffers), checkpoint of another seed, fresh cache, subprocess."""
     from tests.support.hf_archives import hf_archive, hf_inputs, tiny_hf_model

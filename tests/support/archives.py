@@ -29,9 +29,10 @@ fixtures ``pt2_archive``, ``pt2_archive_reweighted``,
 
 Run as ``python -m tests.support.archives mint <out.pt2> [--seed N]`` to mint
 archive A's program in a fresh process (what the builder does), and as
-``python -m tests.support.archives build`` to fill the cache (these archives,
-then ``hf_archives``'): a session in several workers starts that at once
-(``tests/conftest.py``), so the archives build while the first files run.
+``python -m tests.support.archives build`` to fill the cache (these five, then
+the transformers archives of ``hf_archives``): a session in several workers
+starts that at once (``tests/conftest.py``), so they build while the first
+files run.
 """
 
 from __future__ import annotations
