@@ -78,11 +78,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Whole files in ``RUN_FIRST`` order, then the others with the most tests first (a stable sort:
     each file's own order is kept)."""
-    files = [item.nodeid.split("::", 1)[0] for item in items]
-    counts = collections.Counter(files)
-    rank = {path: position for position, path in enumerate(RUN_FIRST)}
-    keys = {id(item): (rank.get(path, len(rank)), -counts[path], path) for item, path in zip(items, files, strict=True)}
-    items.sort(key=lambda item: keys[id(item)])
+    counts = collections.Counter(item.path for item in items)
+    rank = {archives.REPO / path: position for position, path in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: (rank.get(item.path, len(rank)), -counts[item.path], item.path))
 
 
 @pytest.fixture(scope="session")

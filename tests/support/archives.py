@@ -296,7 +296,7 @@ def build_archives(directory: Path) -> dict[str, object]:
     """Compile the five session archives into ``directory``; returns the build record."""
     directory.mkdir(parents=True, exist_ok=True)
     # The second mint runs in its own interpreter anyway: beside the in-process ones, on the other core (a
-    # fresh clone builds all five while every test worker waits for them).
+    # fresh clone builds all five before any test that needs one can start).
     with concurrent.futures.ThreadPoolExecutor(1) as beside:
         second = beside.submit(_mint_in_subprocess, directory / ARCHIVE_SECOND_MINT, directory / "scratch")
         seconds = {

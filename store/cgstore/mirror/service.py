@@ -535,7 +535,7 @@ def apply_yank(ctx: StoreContext, owner: str, repo: str, key: str, reason: str) 
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _audit(session, action: str, owner: str, repo: str, key: str, **detail: object) -> None:
+def _audit(session, action: str, owner: str, repo: str, key: str, *, outcome: str = "ok", **detail: object) -> None:
     """The mirror's own audit entry of ``action`` on ``owner/repo``'s record of ``key``."""
     audit(
         session,
@@ -544,6 +544,7 @@ def _audit(session, action: str, owner: str, repo: str, key: str, **detail: obje
         action=action,
         target=f"{owner}/{repo}:{key}",
         repo=f"{owner}/{repo}",
+        outcome=outcome,
         detail=detail,
     )
 
@@ -696,15 +697,15 @@ def _refused(ctx: StoreContext, owner: str, repo: str, key: str, reason: str) ->
     ctx.metrics.mirror_pulls_refused.inc()
     try:
         with ctx.db.session() as session:
-            audit(
+            _audit(
                 session,
-                actor=trust.MIRROR_ACTOR,
-                jti=None,
-                action=ACTION_PULL,
-                target=f"{owner}/{repo}:{key}",
-                repo=f"{owner}/{repo}",
+                ACTION_PULL,
+                owner,
+                repo,
+                key,
                 outcome="refused",
-                detail={"reason": reason[:300], "upstream": ctx.settings.upstream_url},
+                reason=reason[:300],
+                upstream=ctx.settings.upstream_url,
             )
     except Exception:  # the refusal stands even if it cannot be audited
         log.exception("mirror: could not audit a refused pull")
